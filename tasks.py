@@ -35,7 +35,7 @@ def _fingerprint(extras: str) -> str:
 
 def setup(extras: str) -> Path:
     """Create ./.venv and install the project (editable) with the given extras, once per pyproject."""
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - tasks.py may be run by an older python3
         sys.exit(f"Velox needs Python 3.11 or newer; this is {sys.version.split()[0]}.")
     python = _venv_python()
     if not python.exists():

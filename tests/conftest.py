@@ -1,0 +1,31 @@
+"""Shared fixtures: the real embedded default model, loaded once per test session.
+
+The optional CPU fast path must be set up before MLX is imported, so it happens here, first."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from engine.runtime import prepare_runtime  # noqa: E402
+
+prepare_runtime()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The converted SmolLM2 folder (fetched and converted on first use, then cached in the data dir)."""
+    from engine.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm(default_model_path):
+    """(model, tokenizer, info) of the real default model, loaded once for the whole run."""
+    from engine.catalog import load_model
+
+    return load_model(default_model_path)
