@@ -1,0 +1,223 @@
+"""The compression-level planner: cache sizes, fit verdicts and the recommendation table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine.catalog import DEFAULT_MODEL_SPEC, ModelInfo
+from engine.errors import ConfigError, MemoryBudgetError, ModelError
+from engine.recommend import (
+    LEVEL_KEYS,
+    LEVEL_TABLE,
+    LEVELS,
+    RUNTIME_OVERHEAD_BYTES,
+    cache_bytes,
+    check_fits,
+    fit_verdicts,
+    level_by_key,
+    recommend,
+    resident_weights_bytes,
+    working_bytes,
+)
+
+GiB = 2**30
+GB = 10**9
+
+# Llama-3.1-8B-Instruct, 4-bit MLX conversion: 32 layers, 32 query heads, 8 KV heads, head_dim 128.
+LLAMA_8B = ModelInfo(
+    name="Llama-3.1-8B-Instruct-4bit", path=None, source="local", model_type="llama",
+    parameters=8_030_261_248, bytes_on_disk=4_500_000_000, layers=32, attention_heads=32, kv_heads=8,
+    head_dim=128, max_context=131072, hidden_size=4096, vocab_size=128256, ready=True,
+)
+SMOLLM2 = ModelInfo(
+    name="SmolLM2-135M-Instruct", path=None, source="embedded", bytes_on_disk=99_986_209, ready=True,
+    layers=DEFAULT_MODEL_SPEC["layers"], attention_heads=DEFAULT_MODEL_SPEC["attention_heads"],
+    kv_heads=DEFAULT_MODEL_SPEC["kv_heads"], head_dim=DEFAULT_MODEL_SPEC["head_dim"],
+    max_context=DEFAULT_MODEL_SPEC["max_context"], vocab_size=DEFAULT_MODEL_SPEC["vocab_size"],
+    parameters=DEFAULT_MODEL_SPEC["parameters"],
+)
+# A head size (80) that none of the table's group sizes (64, 32) divides: only the uncompressed level works.
+ODD_HEADS = ModelInfo(
+    name="odd-heads", path=None, source="local", bytes_on_disk=1_000_000_000, layers=24, attention_heads=32,
+    kv_heads=32, head_dim=80, max_context=4096, vocab_size=50000, ready=True,
+)
+
+# (model, context tokens, available bytes, prefill chunk, expected level key or None)
+RECOMMENDATION_TABLE = [
+    # Llama-3.1-8B, default 512-token prefill chunks.
+    (LLAMA_8B, 8192, 8 * GiB, 512, "8"),  # 16-bit fits, but its 1.07 GB cache is 12% of memory
+    (LLAMA_8B, 8192, 16 * GiB, 512, "8"),  # 6% of memory: still worth halving
+    (LLAMA_8B, 8192, 64 * GiB, 512, "16"),  # 1.6% of memory: not worth compressing
+    (LLAMA_8B, 32768, 8 * GiB, 512, None),  # 4.5 GB weights + 2.1 GB prefill scores leave no room at all
+    (LLAMA_8B, 32768, 16 * GiB, 512, "8"),
+    (LLAMA_8B, 32768, 64 * GiB, 512, "8"),
+    (LLAMA_8B, 131072, 8 * GiB, 512, None),
+    (LLAMA_8B, 131072, 16 * GiB, 512, None),  # 8.6 GB of prefill scores alone
+    (LLAMA_8B, 131072, 64 * GiB, 512, "8"),  # 17 GB uncompressed fits but is a quarter of memory
+    # Smaller prefill chunks shrink the working memory, and compression makes the difference.
+    (LLAMA_8B, 32768, 8 * GiB, 128, "4"),  # 8-bit (2.3 GB) does not fit, 4-bit (1.2 GB) does
+    (LLAMA_8B, 131072, 8 * GiB, 128, None),
+    (LLAMA_8B, 131072, 16 * GiB, 128, "4"),  # 8-bit would need 9.1 GB of cache
+    (LLAMA_8B, 131072, int(14.4 * GB), 128, "3"),  # room for 4.3 GB (3-bit), not 4.8 GB (4-bit)
+    (LLAMA_8B, 131072, int(13.8 * GB), 128, "2"),  # room for 3.8 GB (2-bit) only
+    # The default model.
+    (SMOLLM2, 2048, 24 * GiB, 512, "16"),
+    (SMOLLM2, 8192, 24 * GiB, 512, "16"),
+    (SMOLLM2, 8192, 1 * GiB, 512, "8"),  # 189 MB uncompressed is 18% of 1 GiB
+    (SMOLLM2, 2048, 200 * 10**6, 512, None),  # not even the runtime fits
+    # Nothing but 16-bit suits head_dim 80.
+    (ODD_HEADS, 4096, 16 * GiB, 512, "16"),
+]
+
+
+@pytest.mark.parametrize(
+    ("info", "tokens", "available", "chunk", "expected"),
+    RECOMMENDATION_TABLE,
+    ids=[f"{row[0].layers}L-{row[1]}tok-{row[2] / GB:.1f}GB-chunk{row[3]}" for row in RECOMMENDATION_TABLE],
+)
+def test_recommendation_table(
+    info: ModelInfo, tokens: int, available: int, chunk: int, expected: str | None
+) -> None:
+    recommendation = recommend(info, tokens, available, prefill_chunk=chunk)
+    assert (recommendation.level.key if recommendation.level else None) == expected, recommendation.reason
+    assert recommendation.reason
+    if expected is None:
+        assert recommendation.reason.startswith("Nothing fits")
+        assert "more free memory" in recommendation.reason
+        assert not any(verdict.fits for verdict in recommendation.verdicts)
+    else:
+        chosen = next(v for v in recommendation.verdicts if v.level.key == expected)
+        assert chosen.fits and chosen.needed_bytes <= 0.8 * available
+        # Nothing more precise is recommended-and-fitting except 16-bit ruled out by the small-cache rule.
+        more_precise = LEVEL_KEYS[: LEVEL_KEYS.index(expected)]
+        fitting_more_precise = [k for k in more_precise if next(v for v in recommendation.verdicts
+                                                              if v.level.key == k).fits]
+        assert fitting_more_precise in ([], ["16"])
+
+
+def test_two_bit_reason_warns_about_quality() -> None:
+    recommendation = recommend(LLAMA_8B, 131072, int(13.8 * GB), prefill_chunk=128)
+    assert recommendation.level is not None and recommendation.level.key == "2"
+    assert "quality is poor" in recommendation.reason
+
+
+def test_missing_memory_is_exactly_enough() -> None:
+    """The memory a 'nothing fits' answer says is missing really makes the smallest level fit."""
+    recommendation = recommend(LLAMA_8B, 131072, 8 * GiB)
+    assert recommendation.level is None
+    smallest = min(recommendation.verdicts, key=lambda verdict: verdict.needed_bytes)
+    assert smallest.level.key == "2"
+    missing = smallest.missing_bytes
+    assert missing > 0
+    assert recommend(LLAMA_8B, 131072, 8 * GiB + missing).level is not None
+    assert recommend(LLAMA_8B, 131072, 8 * GiB + missing - 10**6).level is None
+
+
+def test_context_longer_than_the_model_is_capped_and_said() -> None:
+    recommendation = recommend(SMOLLM2, 32768, 24 * GiB)
+    assert recommendation.context_capped
+    assert recommendation.n_tokens == 8192
+    assert recommendation.level is not None and recommendation.level.key == "16"
+    assert "8192 tokens" in recommendation.reason and "32768" in recommendation.reason
+    verdicts = fit_verdicts(SMOLLM2, 32768, 24 * GiB)
+    assert all(verdict.exceeds_context for verdict in verdicts)
+    assert "exceed the model's 8192-token context" in verdicts[0].message
+    assert not any(verdict.exceeds_context for verdict in fit_verdicts(SMOLLM2, 8192, 24 * GiB))
+
+
+def test_cache_bytes_follow_the_formula() -> None:
+    tokens = 8192
+    assert cache_bytes(LLAMA_8B, tokens, "16") == LLAMA_8B.kv_bytes_per_token(16) * tokens == 2**30
+    # 8-bit affine, group 64: 8 bits + an fp16 scale and bias (32 bits) per 64 values = 8.5 bits.
+    assert cache_bytes(LLAMA_8B, tokens, "8") == tokens * 2 * 32 * 8 * 128 * 8.5 / 8
+    sizes = [cache_bytes(LLAMA_8B, tokens, level) for level in LEVELS]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert cache_bytes(LLAMA_8B, 0, "4") == 0
+
+
+def test_registry_bits_match_the_documented_fallback_formula() -> None:
+    for level in LEVELS:
+        assert level.effective_bits == pytest.approx(level._fallback_bits(128)), level.key
+    assert level_by_key("4").effective_bits == 4.5
+    assert level_by_key("2").effective_bits == 3.5  # 3-bit keys, 2-bit values, group 32
+
+
+@pytest.mark.parametrize("key", LEVEL_KEYS)
+def test_estimate_matches_a_real_cache(key: str) -> None:
+    """The bytes a real Velox cache of one layer holds after 1024 tokens match the estimate per layer."""
+    from engine.kvcache.registry import get_method
+
+    level = level_by_key(key)
+    config = level.to_config().validate(SMOLLM2.head_dim)
+    cache = get_method(level.method)(config, layer_index=0)
+    keys = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
+    values = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
+    cache.update_and_fetch(keys, values)
+    mx.eval(cache.state)
+    estimate_per_layer = cache_bytes(SMOLLM2, 1024, level) / SMOLLM2.layers
+    assert cache.nbytes == pytest.approx(estimate_per_layer, rel=0.01)
+
+
+def test_levels_make_valid_configs() -> None:
+    assert [row[0] for row in LEVEL_TABLE] == ["16", "8", "4", "3", "2"]
+    for level in LEVELS:
+        config = level.to_config().validate(128)
+        assert (config.method, config.key_bits, config.value_bits, config.group_size) == (
+            level.method, level.key_bits, level.value_bits, level.group_size,
+        )
+    with pytest.raises(ConfigError, match="Unknown compression level"):
+        level_by_key("5")
+
+
+def test_verdict_sentences() -> None:
+    verdicts = {v.level.key: v for v in fit_verdicts(LLAMA_8B, 131072, 16 * GiB, prefill_chunk=128)}
+    assert verdicts["4"].message == "fits at 4-bit: 4.8 GB of cache"
+    assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.2 GB")
+    assert "17.2 GB free" in verdicts["16"].message
+    odd = {v.level.key: v for v in fit_verdicts(ODD_HEADS, 1024, 16 * GiB)}
+    assert odd["16"].supported and not odd["8"].supported and not odd["8"].fits
+    assert "head_dim 80 is not divisible by 64" in odd["8"].message
+
+
+def test_working_memory_and_weights() -> None:
+    chunk_scores = 512 * 131072 * 32 * 4
+    assert working_bytes(LLAMA_8B, 131072) == RUNTIME_OVERHEAD_BYTES + chunk_scores + 512 * 128256 * 4
+    # A short prompt is prefilled in one chunk of its own length.
+    assert working_bytes(SMOLLM2, 100) == RUNTIME_OVERHEAD_BYTES + 100 * 100 * 9 * 4 + 100 * 49152 * 4
+    assert resident_weights_bytes(LLAMA_8B) == 4_500_000_000
+    assert resident_weights_bytes(LLAMA_8B, fp32_weights=True) == 8_030_261_248 * 4
+    # Weights already loaded (weights_bytes=0) leave more room.
+    assert recommend(LLAMA_8B, 32768, 8 * GiB).level is None
+    assert recommend(LLAMA_8B, 32768, 8 * GiB, weights_bytes=0).level is not None
+
+
+def test_check_fits_refuses_before_the_os_kills_us() -> None:
+    verdict = check_fits(LLAMA_8B, 131072, "4", 16 * GiB, prefill_chunk=128)
+    assert verdict.fits
+    with pytest.raises(MemoryBudgetError, match=r"would need 24\.2 GB") as caught:
+        check_fits(LLAMA_8B, 131072, level_by_key("16"), 16 * GiB, prefill_chunk=128)
+    assert "stronger compression level" in str(caught.value)
+    with pytest.raises(ConfigError):
+        check_fits(ODD_HEADS, 1024, "4", 16 * GiB)
+
+
+def test_model_without_a_shape_is_an_error() -> None:
+    broken = ModelInfo(name="broken", path=Path("/nowhere"), source="local")
+    with pytest.raises(ModelError, match="does not say its shape"):
+        recommend(broken, 1024, 16 * GiB)
+    with pytest.raises(ModelError):
+        cache_bytes(broken, 1024, "16")
+
+
+def test_importing_does_not_load_mlx() -> None:
+    """The app imports this before the MLX runtime is prepared, so it must not import MLX itself."""
+    code = "import sys, engine.recommend; print('mlx' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=True
+    )
+    assert result.stdout.strip() == "False"
