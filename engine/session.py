@@ -71,6 +71,20 @@ class GenerationStats:
 Event = TextChunk | PrefillProgress | Notice | GenerationStats
 
 
+@dataclass(frozen=True)
+class SwitchReport:
+    """What a live compression switch did."""
+
+    before: str  # description of the old cache config
+    after: str
+    tokens: int  # tokens carried over
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    reprefilled: bool  # True when the cache was rebuilt by running the model over the tokens again
+    note: str
+
+
 @dataclass
 class Message:
     role: str
@@ -108,6 +122,7 @@ class ChatSession:
         self.history: list[Message] = []
         self.pending_documents: list[Document] = []
         self._cache_factory = cache_factory or _default_cache_factory
+        self.compression: Any = None  # the KVCacheConfig in use; None = mlx-lm's 16-bit KVCache
         self.prompt_cache: list[Any] = self._cache_factory(model)
         self.cached_tokens: list[int] = []
         self._cancel = threading.Event()
@@ -274,6 +289,67 @@ class ChatSession:
         if cache_factory is not None:
             self._cache_factory = cache_factory
 
+    # ----- live compression switch -----------------------------------------------------------------
+    def set_compression(self, config: Any, *, reprefill: bool = False, chunk_tokens: int = 1024) -> SwitchReport:
+        """Change the KV cache method/bits mid-conversation without reloading the model.
+
+        By default the held cache is re-encoded layer by layer (decoded in chunks of `chunk_tokens`, never
+        the whole history at once) — no model call, no re-prefill. Re-encoding cannot restore precision
+        that was already thrown away, so a switch *up* in precision keeps the old quantization error; with
+        `reprefill=True` the cache is instead rebuilt exactly by running the model over the held tokens
+        (the report says which happened). `config=None` switches to mlx-lm's plain 16-bit cache."""
+        from engine.kvcache import KVCacheBuilder
+
+        start = time.perf_counter()
+        bytes_before = self.kv_cache_bytes()
+        before = self._describe_compression(self.compression)
+        if config is None:
+            factory: CacheFactory = _default_cache_factory
+        else:
+            config = KVCacheBuilder(config).for_model(self.model).config  # validate before touching anything
+
+            def factory(model: Any, _config: Any = config) -> list[Any]:
+                return KVCacheBuilder(_config).for_model(model).build()
+
+        upgrading = self._precision_rank(config) > self._precision_rank(self.compression)
+        new_cache = factory(self.model)
+        tokens = list(self.cached_tokens)
+        if reprefill and tokens:
+            old_cache, self.prompt_cache = self.prompt_cache, new_cache
+            self.cached_tokens = []
+            try:
+                for _ in self._prefill(tokens, threading.Event()):
+                    pass
+            except BaseException:
+                self.prompt_cache, self.cached_tokens = old_cache, tokens
+                raise
+            note = "Rebuilt the cache by re-reading the conversation at the new precision."
+        else:
+            if tokens:
+                for old_layer, new_layer in zip(self.prompt_cache, new_cache, strict=True):
+                    _copy_layer(old_layer, new_layer, chunk_tokens)
+            self.prompt_cache = new_cache
+            note = "Re-encoded the held cache."
+            if upgrading and tokens:
+                note += (" Switching up keeps the error of the lower precision already applied; "
+                         "use reprefill=True to rebuild it exactly.")
+        self._cache_factory = factory
+        self.compression = config
+        return SwitchReport(before, self._describe_compression(config), len(tokens), bytes_before,
+                            self.kv_cache_bytes(), time.perf_counter() - start, bool(reprefill and tokens), note)
+
+    @staticmethod
+    def _describe_compression(config: Any) -> str:
+        return "16-bit (mlx-lm KVCache)" if config is None else config.describe()
+
+    def _precision_rank(self, config: Any) -> float:
+        """Bits per value of a config for this model (16 for the plain cache), to tell up from down."""
+        if config is None:
+            return 16.0
+        from engine.kvcache import KVCacheBuilder
+
+        return KVCacheBuilder(config).for_model(self.model).effective_bits_per_value()
+
     def _prefill(self, tokens: list[int], cancel: threading.Event) -> Iterator[PrefillProgress]:
         """Run `tokens` through the model into the cache in chunks, yielding progress; stops on cancel."""
         total = len(tokens)
@@ -400,3 +476,26 @@ class ChatSession:
         )
         self.last_stats = stats
         yield stats
+
+
+def _dense_chunks(layer: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
+    """(keys, values) of every token a layer cache holds, `chunk_tokens` at a time, decoded."""
+    if hasattr(layer, "iter_dense"):
+        yield from layer.iter_dense(chunk_tokens)
+        return
+    keys, values = layer.keys, layer.values  # mlx-lm KVCache: buffers with room beyond `offset`
+    if keys is None:
+        return
+    for start in range(0, layer.offset, chunk_tokens):
+        end = min(start + chunk_tokens, layer.offset)
+        yield keys[..., start:end, :], values[..., start:end, :]
+
+
+def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:
+    if hasattr(new, "load_dense"):
+        new.load_dense(_dense_chunks(old, chunk_tokens))
+        return
+    for keys, values in _dense_chunks(old, chunk_tokens):
+        new.update_and_fetch(keys, values)
+        mx.eval(new.state)
+
