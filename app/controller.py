@@ -1,0 +1,548 @@
+"""The app's logic, without widgets: what the chat window and the tray show, and what they can ask for.
+
+`ChatController` sits between the views and the engine worker. It keeps the visible conversation (a list of
+plain `ChatEntry` records), saves every message to the ConversationStore as it completes, remembers the
+settings, polls memory once a second, and turns the worker's signals into view-ready ones. It never touches
+MLX: model work goes to `app.worker.EngineWorker` on its thread; the memory poll reads counters only.
+Tests drive it directly (send, stop, attach, switch compression) without creating a window.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app.settings import AUTO_COMPRESSION, Settings, load_settings, save_settings
+from app.store import ConversationStore, StoreError
+from app.worker import EngineThread, compression_levels, find_level, level_summary
+
+MEMORY_POLL_MS = 1000
+TITLE_LENGTH = 48
+
+
+@dataclass
+class ChatEntry:
+    """One message as the window shows it."""
+
+    role: str
+    text: str
+    documents: list[str] = field(default_factory=list)
+    caption: str = ""
+    cancelled: bool = False
+    stats: dict[str, Any] | None = None
+
+
+def reply_caption(stats: dict[str, Any] | None, cancelled: bool = False) -> str:
+    """'42 tokens · 31.5 tok/s · first token 0.42 s' (and '· stopped' when the user stopped it)."""
+    if not stats:
+        return "stopped" if cancelled else ""
+    parts = [f"{stats['generated_tokens']} tokens"]
+    if stats.get("decode_tokens_per_second"):
+        parts.append(f"{stats['decode_tokens_per_second']:.1f} tok/s")
+    if stats.get("time_to_first_token"):
+        parts.append(f"first token {stats['time_to_first_token']:.2f} s")
+    if cancelled or stats.get("finish_reason") == "cancelled":
+        parts.append("stopped")
+    return " · ".join(parts)
+
+
+def conversation_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+class ChatController(QObject):
+    """State and actions of the chat app. Create it, connect a view, then call `start()`."""
+
+    # model
+    modelChanged = Signal(object)  # worker.model_summary dict
+    modelProgress = Signal(str, float)
+    modelFailed = Signal(str)
+    busyChanged = Signal(bool, str)
+    # conversation
+    conversationsChanged = Signal(object)  # list[ConversationMeta]
+    conversationOpened = Signal(object)  # {'id': int | None, 'title': str, 'entries': list[ChatEntry]}
+    entryAdded = Signal(object)  # ChatEntry
+    lastEntryRemoved = Signal()
+    replyStreaming = Signal(str)  # the reply so far
+    replyFinished = Signal(object)  # the final ChatEntry of the reply
+    prefillProgress = Signal(int, int)
+    overflowChoiceNeeded = Signal(object)  # {'text', 'message', 'needed', 'limit', 'has_documents'}
+    # messages for the user
+    errorRaised = Signal(str)
+    noticeRaised = Signal(str)
+    # documents
+    documentInspected = Signal(object)
+    documentFailed = Signal(str, str)
+    ingestProgress = Signal(int, int)
+    documentIngested = Signal(object)
+    pendingDocumentsChanged = Signal(object)  # list of {'name', 'tokens'}
+    # compression and memory
+    compressionChanged = Signal(object)
+    recommendationChanged = Signal(object)
+    memoryUpdated = Signal(object)
+    throughputSample = Signal(str, float)
+    statsChanged = Signal(object)  # the last reply's GenerationStats as a dict
+    # downloads
+    downloadProgress = Signal(str, float)
+    downloadFinished = Signal(str)
+    downloadFailed = Signal(str)
+
+    def __init__(self, store: ConversationStore, settings: Settings | None = None,
+                 settings_file: str | Path | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.settings_file = Path(settings_file) if settings_file else None
+        self.settings = settings if settings is not None else load_settings(self.settings_file)
+        self.engine = EngineThread(self)
+        self.entries: list[ChatEntry] = []
+        self.conversation_id: int | None = None
+        self.model: dict[str, Any] | None = None
+        self.busy = False
+        self.busy_what = ""
+        self.pending_documents: list[dict[str, Any]] = []
+        self.level_key = self.settings.compression if self.settings.compression != AUTO_COMPRESSION else "16"
+        self.method: str | None = self.settings.method_override
+        self.recommendation: dict[str, Any] | None = None
+        self.kv_held = 0
+        self.kv_fp16 = 0
+        self.last_stats: dict[str, Any] | None = None
+        self.last_memory: dict[str, Any] | None = None
+        self._pending_document_objects: list[Any] = []  # engine Documents attached to the next question
+        self._streaming = ""
+        self._turn: dict[str, Any] | None = None  # the turn in flight: text, regenerate, saved flag, old entry
+        self._shut_down = False
+        self._connect_worker()
+        self._memory_timer = QTimer(self)
+        self._memory_timer.setInterval(MEMORY_POLL_MS)
+        self._memory_timer.timeout.connect(self.refresh_memory)
+
+    def _connect_worker(self) -> None:
+        w = self.engine.worker
+        w.modelLoadProgress.connect(self.modelProgress.emit)
+        w.modelLoaded.connect(self._on_model_loaded)
+        w.modelLoadFailed.connect(self._on_model_failed)
+        w.recommendation.connect(self._on_recommendation)
+        w.busyChanged.connect(self._on_busy)
+        w.prefillProgress.connect(self._on_prefill_progress)
+        w.textChunk.connect(self._on_text_chunk)
+        w.notice.connect(self.noticeRaised.emit)
+        w.throughput.connect(self.throughputSample.emit)
+        w.turnFinished.connect(self._on_turn_finished)
+        w.turnFailed.connect(self._on_turn_failed)
+        w.overflow.connect(self._on_overflow)
+        w.documentInspected.connect(self.documentInspected.emit)
+        w.documentFailed.connect(self._on_document_failed)
+        w.ingestProgress.connect(self.ingestProgress.emit)
+        w.documentIngested.connect(self._on_document_ingested)
+        w.compressionChanged.connect(self._on_compression_changed)
+        w.kvBytes.connect(self._on_kv_bytes)
+        d = self.engine.downloader
+        d.progress.connect(self.downloadProgress.emit)
+        d.finished.connect(self._on_download_finished)
+        d.failed.connect(self.downloadFailed.emit)
+
+    # ----- life cycle ---------------------------------------------------------------------------------------
+    def start(self, model: str | None = None, loaded: tuple[Any, Any, Any] | None = None) -> None:
+        """Load the model (or adopt an already loaded one), reopen the last conversation, start polling."""
+        self.refresh_conversations()
+        conversations = self.store.list_conversations()
+        if conversations:
+            self.open_conversation(conversations[0].id, sync_worker=False)
+        else:
+            self.conversationOpened.emit({"id": None, "title": "New Chat", "entries": []})
+        self.engine.requestConfigure.emit(self.generation_options())
+        if self.level_key != "16" or self.method:
+            self.engine.requestSetCompression.emit(self.level_key, self.method)
+        if loaded is not None:
+            self.engine.requestAdoptModel.emit(loaded)
+        else:
+            self.load_model(model if model is not None else (self.settings.last_model or ""))
+        self._memory_timer.start()
+        self.refresh_memory()
+
+    def shutdown(self) -> None:
+        """Stop the worker (cancelling any reply) and save the settings. Safe to call twice."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._memory_timer.stop()
+        self.engine.stop()
+        self.save_settings()
+
+    def save_settings(self) -> None:
+        try:
+            save_settings(self.settings, self.settings_file)
+        except OSError as error:
+            self.errorRaised.emit(f"The settings could not be saved: {error}")
+
+    # ----- model --------------------------------------------------------------------------------------------
+    def load_model(self, spec: str) -> None:
+        self.engine.requestLoadModel.emit(spec)
+
+    def list_models(self) -> list[Any]:
+        """The engine's catalogue (reads only JSON headers: milliseconds, no MLX work)."""
+        from engine.catalog import list_models
+
+        return list_models()
+
+    def _on_model_loaded(self, summary: dict[str, Any]) -> None:
+        self.model = summary
+        self.settings.last_model = summary["path"] or summary["name"]
+        self.modelChanged.emit(summary)
+        if self.conversation_id is not None:
+            # A newly loaded model starts a new session: give it the open conversation.
+            self._sync_worker_history()
+        self.save_settings()
+
+    def _on_model_failed(self, message: str) -> None:
+        self.modelFailed.emit(message)
+        self.errorRaised.emit(message)
+
+    def _on_recommendation(self, recommendation: dict[str, Any] | None) -> None:
+        self.recommendation = recommendation
+        self.recommendationChanged.emit(recommendation)
+        if (recommendation and recommendation.get("key") and self.settings.compression == AUTO_COMPRESSION
+                and recommendation["key"] != self.level_key):
+            self.set_compression(recommendation["key"], None, remember=False)
+
+    def download_model(self, name: str) -> None:
+        self.engine.requestDownload.emit(name)
+
+    def cancel_download(self) -> None:
+        self.engine.downloader.cancel()
+
+    def _on_download_finished(self, folder: str) -> None:
+        self.downloadFinished.emit(folder)
+        self.load_model(folder)
+
+    # ----- busy state -------------------------------------------------------------------------------------------
+    def _on_busy(self, busy: bool, what: str) -> None:
+        self.busy = busy
+        self.busy_what = what
+        self.busyChanged.emit(busy, what)
+
+    def _claim(self, what: str) -> bool:
+        """Mark the app busy before queueing a job, so a second click cannot queue a second one."""
+        if self.busy:
+            self.noticeRaised.emit("Velox is still busy; stop the current reply first.")
+            return False
+        if self.model is None:
+            self.errorRaised.emit("The model is not loaded yet.")
+            return False
+        self.engine.begin_job()
+        self._on_busy(True, what)
+        return True
+
+    # ----- conversation --------------------------------------------------------------------------------------------
+    def refresh_conversations(self) -> None:
+        try:
+            self.conversationsChanged.emit(self.store.list_conversations())
+        except StoreError as error:
+            self.errorRaised.emit(str(error))
+
+    def _conversation_locked(self, action: str) -> bool:
+        """A reply or a document being read belongs to the open conversation: it cannot change under them."""
+        if self.busy and (self._turn is not None or self.busy_what in ("thinking", "reading")):
+            self.noticeRaised.emit(f"Stop the reply or the document being read before {action}.")
+            return True
+        return False
+
+    def open_conversation(self, conversation_id: int, sync_worker: bool = True) -> None:
+        if self._conversation_locked("switching conversations"):
+            return
+        try:
+            meta, messages = self.store.load_conversation(conversation_id)
+        except StoreError as error:
+            self.errorRaised.emit(str(error))
+            return
+        self.conversation_id = meta.id
+        self.entries = [
+            ChatEntry(m.role, m.content, [d.name for d in m.documents],
+                      reply_caption(m.stats, m.cancelled) if m.role == "assistant" else "", m.cancelled, m.stats)
+            for m in messages if m.role != "system"
+        ]
+        self.pending_documents = []
+        self.pendingDocumentsChanged.emit([])
+        self.conversationOpened.emit({"id": meta.id, "title": meta.title, "entries": list(self.entries)})
+        if sync_worker:
+            self._sync_worker_history()
+
+    def _sync_worker_history(self) -> None:
+        if self.conversation_id is None:
+            self.engine.requestNewChat.emit()
+            return
+        _meta, messages = self.store.load_conversation(self.conversation_id)
+        self.engine.requestSetHistory.emit(ConversationStore.to_session_history(messages))
+
+    def new_chat(self) -> None:
+        if self._conversation_locked("starting a new chat"):
+            return
+        self.conversation_id = None
+        self.entries = []
+        self.pending_documents = []
+        self.pendingDocumentsChanged.emit([])
+        self.engine.requestNewChat.emit()
+        self.conversationOpened.emit({"id": None, "title": "New Chat", "entries": []})
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if conversation_id == self.conversation_id:
+            if self._conversation_locked("deleting this conversation"):
+                return
+            self.new_chat()
+        try:
+            self.store.delete(conversation_id)
+        except StoreError as error:
+            self.errorRaised.emit(str(error))
+        self.refresh_conversations()
+
+    def generation_options(self, overflow_policy: str | None = None) -> dict[str, Any]:
+        return {"max_tokens": self.settings.max_tokens, "temperature": self.settings.temperature,
+                "top_p": self.settings.top_p, "overflow_policy": overflow_policy}
+
+    def send(self, text: str, overflow_policy: str | None = None) -> bool:
+        """Ask `text`; the reply streams through replyStreaming and ends with replyFinished."""
+        text = text.strip()
+        if not text or not self._claim("thinking"):
+            return False
+        documents = [doc["name"] for doc in self.pending_documents]
+        self._turn = {"text": text, "regenerate": False, "user_saved": False, "documents": documents}
+        self._streaming = ""
+        self._add_entry(ChatEntry("user", text, documents))
+        self._add_entry(ChatEntry("assistant", ""))
+        self.engine.requestSend.emit(text, self.generation_options(overflow_policy))
+        return True
+
+    def regenerate(self, overflow_policy: str | None = None) -> bool:
+        if len(self.entries) < 2 or self.entries[-1].role != "assistant":
+            self.noticeRaised.emit("There is no reply to regenerate.")
+            return False
+        if not self._claim("thinking"):
+            return False
+        old = self.entries.pop()
+        self.lastEntryRemoved.emit()
+        self._turn = {"text": self.entries[-1].text, "regenerate": True, "user_saved": True, "old": old,
+                      "documents": self.entries[-1].documents}
+        self._streaming = ""
+        self._add_entry(ChatEntry("assistant", ""))
+        self.engine.requestRegenerate.emit(self.generation_options(overflow_policy))
+        return True
+
+    def stop(self) -> None:
+        """Stop the reply or the document being read; what was produced so far is kept."""
+        self.engine.cancel()
+
+    def _add_entry(self, entry: ChatEntry) -> None:
+        self.entries.append(entry)
+        self.entryAdded.emit(entry)
+
+    def _remove_last_entry(self) -> None:
+        if self.entries:
+            self.entries.pop()
+            self.lastEntryRemoved.emit()
+
+    def _on_prefill_progress(self, done: int, total: int) -> None:
+        self._save_user_message()
+        self.prefillProgress.emit(done, total)
+
+    def _on_text_chunk(self, text: str) -> None:
+        self._save_user_message()
+        self._streaming += text
+        if self.entries and self.entries[-1].role == "assistant":
+            self.entries[-1].text = self._streaming
+        self.replyStreaming.emit(self._streaming)
+
+    def _save_user_message(self) -> None:
+        """The question is written once the engine has accepted it (it fits the context)."""
+        turn = self._turn
+        if turn is None or turn["user_saved"]:
+            return
+        turn["user_saved"] = True
+        session_documents = self._pending_document_objects
+        try:
+            if self.conversation_id is None:
+                self.conversation_id = self.store.create_conversation(
+                    conversation_title(turn["text"]), model=self.model["name"] if self.model else "",
+                    compression=self.compression_label(),
+                )
+            self.store.append_message(self.conversation_id, "user", turn["text"], documents=session_documents,
+                                      compression=self.compression_label())
+        except StoreError as error:
+            self.errorRaised.emit(f"The message could not be saved: {error}")
+        self.pending_documents = []
+        self._pending_document_objects = []
+        self.pendingDocumentsChanged.emit([])
+        self.refresh_conversations()
+
+    def _on_turn_finished(self, result: dict[str, Any]) -> None:
+        turn = self._turn or {"regenerate": result.get("regenerated", False)}
+        self._save_user_message()
+        self._turn = None
+        stats = result.get("stats")
+        cancelled = bool(result.get("cancelled"))
+        entry = self.entries[-1] if self.entries and self.entries[-1].role == "assistant" else ChatEntry("assistant", "")
+        entry.text = result.get("text", self._streaming)
+        entry.cancelled = cancelled
+        entry.stats = stats
+        entry.caption = reply_caption(stats, cancelled)
+        if stats:
+            self.last_stats = stats
+            self.statsChanged.emit(stats)
+        try:
+            if self.conversation_id is not None:
+                if turn.get("regenerate"):
+                    position = self._last_assistant_position()
+                    if position is not None:
+                        self.store.delete_messages_from(self.conversation_id, position)
+                self.store.append_message(self.conversation_id, "assistant", entry.text, cancelled=cancelled,
+                                          stats=stats, compression=self.compression_label())
+        except StoreError as error:
+            self.errorRaised.emit(f"The reply could not be saved: {error}")
+        self.replyFinished.emit(entry)
+        self.refresh_conversations()
+
+    def _last_assistant_position(self) -> int | None:
+        _meta, messages = self.store.load_conversation(self.conversation_id)
+        if messages and messages[-1].role == "assistant":
+            return messages[-1].position
+        return None
+
+    def _undo_turn_entries(self) -> dict[str, Any] | None:
+        turn, self._turn = self._turn, None
+        if turn is None:
+            return None
+        self._remove_last_entry()  # the reply placeholder
+        if turn["regenerate"]:
+            self._add_entry(turn["old"])  # the reply that was to be replaced comes back
+        elif not turn["user_saved"]:
+            self._remove_last_entry()  # the question, never accepted
+        return turn
+
+    def _on_turn_failed(self, message: str) -> None:
+        self._undo_turn_entries()
+        self.errorRaised.emit(message)
+
+    def _on_overflow(self, info: dict[str, Any]) -> None:
+        turn = self._undo_turn_entries()
+        if turn is not None:
+            info = {**info, "text": turn["text"], "regenerate": turn["regenerate"]}
+        self.overflowChoiceNeeded.emit(info)
+
+    def resolve_overflow(self, info: dict[str, Any], policy: str | None) -> None:
+        """The user's answer to an overflow: 'drop-oldest', 'truncate-middle', or None to give up."""
+        if policy is None:
+            self.noticeRaised.emit("Nothing was sent: the conversation does not fit in the model's context.")
+            return
+        if info.get("regenerate"):
+            self.regenerate(overflow_policy=policy)
+        else:
+            self.send(info["text"], overflow_policy=policy)
+
+    # ----- documents -----------------------------------------------------------------------------------------------
+    def attach_document(self, path: str) -> None:
+        """Read a document and report its size and fit verdicts (documentInspected); nothing is attached yet."""
+        if self.model is None:
+            self.errorRaised.emit("Load a model before attaching a document.")
+            return
+        self.engine.requestInspectDocument.emit(str(path))
+
+    def _on_document_failed(self, path: str, message: str) -> None:
+        self.documentFailed.emit(path, message)
+        self.errorRaised.emit(message)
+
+    def ingest_document(self, doc_id: int, choice: dict[str, Any]) -> bool:
+        """Attach an inspected document and read it now; `choice` as in EngineWorker.ingest_document."""
+        if not self._claim("reading"):
+            return False
+        if choice.get("level") and choice["level"] != self.level_key:
+            # The level picked for the document becomes the remembered one, like a slider move.
+            self.settings.compression = choice["level"]
+            self.settings.method_override = choice.get("method")
+            self.save_settings()
+        self.engine.requestIngestDocument.emit(doc_id, choice)
+        return True
+
+    def discard_document(self, doc_id: int) -> None:
+        self.engine.requestDiscardDocument.emit(doc_id)
+
+    def _on_document_ingested(self, report: dict[str, Any]) -> None:
+        if report.get("cancelled"):
+            if report.get("failed"):
+                self.errorRaised.emit(report["message"])
+            elif report.get("message"):
+                self.noticeRaised.emit(report["message"])
+        else:
+            self.pending_documents.append({"name": report["name"], "tokens": report["tokens"]})
+            self._pending_document_objects.append(report["document"])
+            self.pendingDocumentsChanged.emit(list(self.pending_documents))
+        self.documentIngested.emit(report)
+
+    # ----- compression ----------------------------------------------------------------------------------------------
+    def levels(self) -> list[dict[str, Any]]:
+        return [level_summary(level) for level in compression_levels()]
+
+    def compression_label(self) -> str:
+        level = find_level(self.level_key)
+        label = level.label if level else f"{self.level_key}-bit"
+        method = self.method or (level.method if level else "")
+        return f"{label} ({method})" if method and self.level_key != "16" else label
+
+    def set_compression(self, level_key: str, method: str | None = None, remember: bool = True) -> None:
+        """Switch the KV cache to `level_key` (optionally with another method) live, keeping the conversation."""
+        if remember:
+            self.settings.compression = level_key
+            self.settings.method_override = method
+            self.save_settings()
+        self.engine.requestSetCompression.emit(level_key, method)
+
+    def _on_compression_changed(self, report: dict[str, Any]) -> None:
+        if report.get("available") or self.model is None:
+            self.level_key = report["key"]
+            self.method = report.get("override")
+            if self.conversation_id is not None:
+                try:
+                    self.store.set_conversation_settings(self.conversation_id, compression=self.compression_label())
+                except StoreError:
+                    pass
+        self.compressionChanged.emit(report)
+
+    # ----- memory ----------------------------------------------------------------------------------------------------
+    def _on_kv_bytes(self, held: int, fp16: int) -> None:
+        self.kv_held, self.kv_fp16 = held, fp16
+
+    def refresh_memory(self) -> dict[str, Any]:
+        """Read system, process and MLX memory (cheap counters, no MLX work) and publish them."""
+        from engine.memory import snapshot
+
+        started = time.perf_counter()
+        snap = snapshot(None)
+        reading = {
+            "system_total": snap.system_total,
+            "system_available": snap.system_available,
+            "system_used": snap.system_total - snap.system_available,
+            "pressure": snap.pressure,
+            "process_rss": snap.process_rss,
+            "mlx_active": snap.mlx_active,
+            "mlx_peak": snap.mlx_peak,
+            "mlx_cache": snap.mlx_cache,
+            "kv_held": self.kv_held,
+            "kv_fp16": self.kv_fp16,
+            "read_seconds": time.perf_counter() - started,
+        }
+        self.last_memory = reading
+        self.memoryUpdated.emit(reading)
+        return reading
+
+    def memory_line(self) -> str:
+        """One line for the tray menu: free RAM and the cache held."""
+        from engine.memory import format_bytes
+
+        if not self.last_memory:
+            return "Memory: reading…"
+        m = self.last_memory
+        return (f"{format_bytes(m['system_available'])} free · KV cache {format_bytes(m['kv_held'])}"
+                f" ({self.compression_label()})")

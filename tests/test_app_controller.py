@@ -1,0 +1,201 @@
+"""The app's controller and engine worker, without a window, against the real SmolLM2 model.
+
+Every test drives ChatController exactly as the window does (send, stop, regenerate, switch compression,
+reopen) and checks what a person would see and what is on disk.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.controller import ChatController, reply_caption
+from app.settings import Settings, load_settings, save_settings
+from app.store import ConversationStore
+
+WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
+
+
+@pytest.fixture()
+def make_controller(tmp_path, smollm, qtbot):
+    """Build controllers on one store file (a second call is a restart); all are shut down afterwards."""
+    made: list[ChatController] = []
+
+    def make(max_tokens: int = 12) -> ChatController:
+        store = ConversationStore(tmp_path / "velox.sqlite3")
+        settings_file = tmp_path / "settings.json"
+        if not settings_file.exists():  # the first start; a restart reads what the last run saved
+            save_settings(Settings(max_tokens=max_tokens, compression="16"), settings_file)
+        controller = ChatController(store, None, settings_file)
+        made.append(controller)
+        controller.start(loaded=smollm)
+        qtbot.waitUntil(lambda: controller.model is not None and not controller.busy, timeout=WAIT_MS)
+        return controller
+
+    yield make
+    for controller in made:
+        controller.shutdown()
+        controller.store.close()
+
+
+def reply(qtbot, controller: ChatController, text: str) -> None:
+    assert controller.send(text)
+    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
+
+
+def test_send_streams_a_reply_and_saves_both_messages(make_controller, qtbot):
+    controller = make_controller()
+    streamed: list[str] = []
+    controller.replyStreaming.connect(streamed.append)
+    finished = []
+    controller.replyFinished.connect(finished.append)
+
+    reply(qtbot, controller, "What is the capital of France?")
+
+    assert streamed, "the reply arrived in pieces while it was generated"
+    assert finished and finished[0].text == streamed[-1]
+    assert "Paris" in finished[0].text
+    assert [e.role for e in controller.entries] == ["user", "assistant"]
+    assert "tok/s" in controller.entries[-1].caption
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert [(m.role, m.content) for m in stored] == [("user", "What is the capital of France?"),
+                                                     ("assistant", finished[0].text)]
+    assert stored[1].stats["generated_tokens"] > 0 and stored[1].compression == "Off (16-bit)"
+
+
+def test_stop_keeps_the_partial_reply_marked_as_stopped(make_controller, qtbot):
+    controller = make_controller(max_tokens=24)
+    chunks: list[str] = []
+
+    def stop_after_two(text: str) -> None:
+        chunks.append(text)
+        if len(chunks) == 2:
+            controller.stop()
+
+    controller.replyStreaming.connect(stop_after_two)
+    reply(qtbot, controller, "Write a long story about a dragon who learns to read.")
+
+    entry = controller.entries[-1]
+    assert entry.cancelled and entry.caption.endswith("stopped")
+    assert entry.stats["finish_reason"] == "cancelled"
+    assert entry.stats["generated_tokens"] < 24
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert stored[-1].cancelled and stored[-1].content == entry.text
+    # The session is consistent: the next question works and reuses the cache.
+    reply(qtbot, controller, "Thanks. What is 2 + 2?")
+    assert controller.last_stats["reused_tokens"] > 0
+    assert not controller.entries[-1].cancelled
+
+
+def test_regenerate_replaces_the_last_reply_on_disk(make_controller, qtbot):
+    controller = make_controller()
+    reply(qtbot, controller, "Name a colour.")
+    first_reply = controller.entries[-1].text
+    assert controller.regenerate()
+    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert [m.role for m in stored] == ["user", "assistant"]
+    # Greedy decoding of the same prompt gives the same reply, now stored once.
+    assert stored[-1].content == controller.entries[-1].text == first_reply
+    assert len(controller.entries) == 2
+
+
+def test_compression_switch_mid_chat_shrinks_the_held_cache(make_controller, qtbot):
+    controller = make_controller()
+    reply(qtbot, controller, "What is the capital of France?")
+    held_before = controller.kv_held
+    assert held_before > 0
+    reports = []
+    controller.compressionChanged.connect(reports.append)
+
+    controller.set_compression("4")
+    qtbot.waitUntil(lambda: bool(reports) and not controller.busy, timeout=WAIT_MS)
+
+    report = reports[-1]
+    assert report["available"], report["message"]
+    assert report["after"] < report["before"] / 2
+    assert controller.kv_held == report["after"] < held_before
+    assert controller.level_key == "4" and controller.settings.compression == "4"
+    # The conversation goes on in the compressed cache without re-reading it.
+    reply(qtbot, controller, "And of Germany?")
+    assert controller.last_stats["reused_tokens"] > 0
+    assert controller.entries[-1].text
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert stored[-1].compression.startswith("4-bit")
+
+
+def test_restart_reopens_the_last_conversation(make_controller, qtbot):
+    first = make_controller()
+    reply(qtbot, first, "What is the capital of France?")
+    texts = [(e.role, e.text) for e in first.entries]
+    first.shutdown()
+
+    restarted = make_controller()
+    assert [(e.role, e.text) for e in restarted.entries] == texts
+    assert restarted.conversation_id == first.conversation_id
+    # The engine got the history back: a follow-up sees the earlier turn.
+    qtbot.waitUntil(lambda: restarted.engine.worker.session is not None
+                    and len(restarted.engine.worker.session.history) == 2, timeout=WAIT_MS)
+    reply(qtbot, restarted, "And of Germany?")
+    assert restarted.last_stats["prompt_tokens"] > 40  # both turns were in the prompt
+    assert len(restarted.store.load_conversation(restarted.conversation_id)[1]) == 4
+
+
+def test_settings_are_remembered_and_applied_after_a_restart(make_controller, qtbot, tmp_path):
+    first = make_controller()
+    first.set_compression("8")
+    qtbot.waitUntil(lambda: first.level_key == "8" and not first.busy, timeout=WAIT_MS)
+    first.shutdown()
+    saved = load_settings(tmp_path / "settings.json")
+    assert saved.compression == "8" and saved.max_tokens == 12
+    assert saved.last_model.endswith("SmolLM2-135M-Instruct")
+
+    restarted = make_controller()
+    qtbot.waitUntil(lambda: restarted.level_key == "8" and not restarted.busy, timeout=WAIT_MS)
+    session = restarted.engine.worker.session
+    assert session.compression is not None and session.compression.key_bits == 8
+    assert session.settings.max_tokens == 12
+    assert restarted.compression_label() == "8-bit (affine)"
+
+
+def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbot):
+    controller = make_controller()
+    qtbot.waitUntil(lambda: controller.engine.worker.session is not None, timeout=WAIT_MS)
+    controller.engine.worker.session.context_length = 40  # a tiny context, so one question overflows
+    asked = []
+    controller.overflowChoiceNeeded.connect(asked.append)
+
+    assert controller.send("Please summarise the history of the Roman Empire in great detail for me now.")
+    qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
+
+    assert "overflows" in asked[0]["message"] and asked[0]["needed"] > asked[0]["limit"] == 40
+    assert asked[0]["text"].startswith("Please summarise")
+    assert controller.entries == []  # the unsent question is not shown as sent ...
+    assert controller.conversation_id is None  # ... nor saved
+    notices = []
+    controller.noticeRaised.connect(notices.append)
+    controller.resolve_overflow(asked[0], None)
+    assert notices and "Nothing was sent" in notices[0]
+
+
+def test_reply_caption_reads_like_a_status_line():
+    stats = {"generated_tokens": 42, "decode_tokens_per_second": 31.46, "time_to_first_token": 0.4213,
+             "finish_reason": "stop"}
+    assert reply_caption(stats) == "42 tokens · 31.5 tok/s · first token 0.42 s"
+    assert reply_caption({**stats, "finish_reason": "cancelled"}).endswith("· stopped")
+    assert reply_caption(None, cancelled=True) == "stopped"
+
+
+def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_controller, qtbot, monkeypatch):
+    import engine.memory
+
+    controller = make_controller()
+    tiny = {"total": 8_000_000_000, "available": 50_000_000, "used": 7_950_000_000, "percent": 99.4,
+            "pressure": "critical"}
+    monkeypatch.setattr(engine.memory, "system_memory", lambda: dict(tiny))
+    errors = []
+    controller.errorRaised.connect(errors.append)
+    assert controller.send("What is the capital of France?")
+    qtbot.waitUntil(lambda: bool(errors) and not controller.busy, timeout=WAIT_MS)
+    assert "would need" in errors[0] and "free can be used safely" in errors[0]
+    assert controller.entries == [] and controller.conversation_id is None
+    assert controller.store.list_conversations() == []
