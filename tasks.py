@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up Velox in a local virtual environment and run it, or run its tests.
 
-    python3 tasks.py run [ARGS...]    # set up, then chat with the embedded default model
+    python3 tasks.py run [ARGS...]    # set up, then start the app (ARGS go to the `velox` command line)
     python3 tasks.py test [ARGS...]   # set up (with test extras), then lint and run the test suite
 
 Only Python 3.11+ is needed beforehand; everything else is installed into ./.venv.
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "run":
         python = setup("")
-        args = rest or ["chat"]
+        args = rest or ["app"]
         return subprocess.call([str(python), "-m", "app.cli", *args], cwd=ROOT)
     python = setup("test")
     lint = subprocess.call([str(python), "-m", "ruff", "check", "engine", "app", "tests", "benchmarks", "tasks.py"], cwd=ROOT)
