@@ -1,0 +1,692 @@
+"""Base classes of Velox's KV caches, fulfilling mlx-lm's cache contract.
+
+`VeloxKVCache` is what every method shares: the config, the offset, save/load through mlx-lm's
+`save_prompt_cache`/`load_prompt_cache` (`state` is a dict with a JSON `meta` entry, rebuilt by
+`from_state`), honest `nbytes`, trimming, masks, and the dense export/import used by the live switch.
+
+`SegmentedKVCache` is the base of compressed methods. Tokens live in three segments, in position order:
+
+    [ sink tokens (16-bit) | compressed history | recent window (16-bit) ]
+
+The first `sink_tokens` tokens stay in 16-bit for good (attention sinks), the newest `residual_window`
+tokens stay in 16-bit until they age out, and everything in between is stored only in compressed form.
+There is never a 16-bit copy of the compressed history: attention reads the compressed arrays directly
+through the method's `_compressed_scores`/`_compressed_values` (e.g. `mx.quantized_matmul`), reached
+through the single dispatch hook in `attention.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import create_attention_mask as _mlx_create_attention_mask
+
+from engine.errors import ConfigError
+from engine.kvcache import attention as _attention
+from engine.kvcache.config import KVCacheConfig
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+# `options["prefill_attention"]` of compressed caches. "fused" (default) always reads the packed codes
+# (e.g. with mx.quantized_matmul). "dequantize-blocks" decodes the compressed history in blocks of
+# DEQUANTIZE_BLOCK_TOKENS for query blocks of at least DEQUANTIZE_MIN_ROWS rows (prefill chunks; never
+# single-token decoding) and multiplies with ordinary matmuls: on a CPU, where MLX's quantized_matmul is
+# not BLAS-backed, that is ~3x faster for 64-token chunks (measured on SmolLM2 shapes). The decoded block
+# is transient (freed after use); nothing 16-bit is kept. "auto" picks "dequantize-blocks" when MLX runs
+# on the CPU and "fused" on a GPU (Metal, CUDA), where quantized_matmul is the fast kernel.
+PREFILL_ATTENTION_CHOICES = ("fused", "dequantize-blocks", "auto")
+DEQUANTIZE_BLOCK_TOKENS = 4096
+DEQUANTIZE_MIN_ROWS = 16
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    for name, candidate in _DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise ConfigError(f"KV caches store float16, bfloat16 or float32 inputs, not {dtype}.")
+
+
+def sixteen_bit_dtype(input_dtype: mx.Dtype) -> mx.Dtype:
+    """The 16-bit float used for 16-bit segments and quantization scales: bf16 for bf16 models (no
+    conversions on the model's own path), fp16 otherwise (fp32 inputs on CPU are stored as fp16)."""
+    return mx.bfloat16 if input_dtype == mx.bfloat16 else mx.float16
+
+
+def apply_attention_mask(
+    scores: mx.array, mask: mx.array | str | None, n_queries: int, n_query_heads: int
+) -> mx.array:
+    """Apply mlx-lm's mask to grouped scores of shape [B, n_kv_heads, repeats, L, N].
+
+    `mask` is None, "causal" (query i of the L new tokens sits at position N - L + i and sees keys up to
+    it) or an array broadcastable to [B, heads, L, N], boolean (True = may attend) or additive. Per-query-
+    head masks ([B, n_query_heads, L, N]) are regrouped to match.
+    """
+    if mask is None:
+        return scores
+    n_keys = scores.shape[-1]
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"Unknown attention mask {mask!r}.")
+        query_positions = mx.arange(n_keys - n_queries, n_keys)
+        mask = query_positions[:, None] >= mx.arange(n_keys)[None]
+    if mask.ndim == 4:
+        batch, heads = mask.shape[:2]
+        if heads == n_query_heads and heads != 1:
+            mask = mask.reshape(batch, scores.shape[1], scores.shape[2], *mask.shape[-2:])
+        else:
+            mask = mx.expand_dims(mask, -3)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    return scores + mask.astype(scores.dtype)
+
+
+class VeloxKVCache(_BaseCache):
+    """What every Velox cache shares. Subclasses declare the registry attributes below."""
+
+    # Declared by each method (checked by `register_method`).
+    method_name: ClassVar[str] = ""
+    supported_bits: ClassVar[tuple[int, ...]] = ()
+    default_bits: ClassVar[int] = 0
+    needs_calibration: ClassVar[bool] = False
+    attention_path: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    # Group sizes the method accepts (None: any that divides head_dim).
+    supported_group_sizes: ClassVar[tuple[int, ...] | None] = None
+    # Buffers grow in steps of this many tokens (as in mlx-lm), so appends are not quadratic.
+    step: ClassVar[int] = 256
+
+    def __init__(self, config: KVCacheConfig, layer_index: int = 0) -> None:
+        self.config = config
+        self.layer_index = layer_index
+        self.offset = 0
+        self._input_dtype_name: str | None = None
+        self._k_head_dim = 0
+        self._v_head_dim = 0
+        self._n_kv_heads = 0
+        self._batch = 0
+
+    # ----- the method's declarations -------------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
+        """Method-specific checks (bits were checked already); raise ConfigError with one sentence."""
+        if cls.supported_group_sizes is not None and config.group_size not in cls.supported_group_sizes:
+            raise ConfigError(
+                f"Method {cls.method_name!r} supports group sizes "
+                f"{', '.join(str(g) for g in cls.supported_group_sizes)}, not {config.group_size}."
+            )
+
+    @classmethod
+    def effective_bits_per_value(
+        cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
+    ) -> float:
+        """Bits stored per cached key or value element, counting every scale, bias, norm, codebook,
+        rotation and 16-bit token amortised over `n_tokens` (None: the long-context limit)."""
+        raise NotImplementedError
+
+    @classmethod
+    def expected_nbytes(
+        cls, config: KVCacheConfig, head_dim: int, n_tokens: int, n_kv_heads: int, batch: int = 1
+    ) -> float:
+        """Bytes the formula predicts for `n_tokens` tokens of one layer (keys and values)."""
+        bits = cls.effective_bits_per_value(config, head_dim, n_tokens, n_kv_heads)
+        return bits * 2 * head_dim * n_tokens * n_kv_heads * batch / 8
+
+    # ----- mlx-lm cache contract -----------------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        raise NotImplementedError
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> mx.array | str | None:
+        return _mlx_create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self._held_arrays())
+
+    def _held_arrays(self) -> list[mx.array]:
+        """Every mx.array this cache holds (storage, 16-bit segments, rotations, codebooks)."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> dict[str, Any]:
+        meta = {
+            "config": self.config.to_json(),
+            "layer_index": self.layer_index,
+            "offset": self.offset,
+            "input_dtype": self._input_dtype_name,
+            "k_head_dim": self._k_head_dim,
+            "v_head_dim": self._v_head_dim,
+            "n_kv_heads": self._n_kv_heads,
+            "batch": self._batch,
+        }
+        return {"meta": meta, **self._array_state()}
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        meta = value["meta"]
+        VeloxKVCache.__init__(self, KVCacheConfig.from_json(meta["config"]), int(meta["layer_index"]))
+        self._reset_storage()
+        if meta.get("input_dtype"):
+            self._setup(
+                batch=int(meta["batch"]),
+                n_kv_heads=int(meta["n_kv_heads"]),
+                k_head_dim=int(meta["k_head_dim"]),
+                v_head_dim=int(meta["v_head_dim"]),
+                input_dtype=_DTYPES[meta["input_dtype"]],
+            )
+            self._load_array_state(value)
+        self.offset = int(meta["offset"])
+
+    def _array_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_array_state(self, value: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # ----- set-up ------------------------------------------------------------------------------------
+
+    def _reset_storage(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_set_up(self) -> bool:
+        return self._input_dtype_name is not None
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        """Fix the shapes on the first tokens (or from a saved state) and check the config against them."""
+        for head_dim in sorted({k_head_dim, v_head_dim}):
+            self.config = self.config.validate(head_dim)
+        self._batch = batch
+        self._n_kv_heads = n_kv_heads
+        self._k_head_dim = k_head_dim
+        self._v_head_dim = v_head_dim
+        self._input_dtype_name = dtype_name(input_dtype)
+
+    def _setup_from(self, keys: mx.array, values: mx.array) -> None:
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError("KV caches take keys and values shaped [batch, kv_heads, tokens, head_dim].")
+        self._setup(keys.shape[0], keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+
+    @property
+    def input_dtype(self) -> mx.Dtype:
+        return _DTYPES[self._input_dtype_name or "float32"]
+
+    # ----- dense export / import (live re-encode) ------------------------------------------------------
+
+    def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
+        """Yield (keys, values) of all cached tokens in position order, at most `chunk_tokens` at a time,
+        decoded to the model's input dtype. Decoding happens chunk by chunk, so peak extra memory is
+        bounded by one chunk."""
+        raise NotImplementedError
+
+    def to_dense(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
+        """All cached keys and values, decoded ([B, kv_heads, offset, head_dim] each)."""
+        chunks = list(self.iter_dense(chunk_tokens=max(self.offset, 1)))
+        if not chunks:
+            return None, None
+        if len(chunks) == 1:
+            return chunks[0]
+        return (
+            mx.concatenate([k for k, _ in chunks], axis=-2),
+            mx.concatenate([v for _, v in chunks], axis=-2),
+        )
+
+    def load_dense(self, chunks: Iterable[tuple[mx.array, mx.array]]) -> VeloxKVCache:
+        """Replace the contents with these dense (keys, values) chunks, encoding each as it comes."""
+        VeloxKVCache.__init__(self, self.config, self.layer_index)
+        self._reset_storage()
+        for keys, values in chunks:
+            self.update_and_fetch(keys, values)
+            mx.eval(self._held_arrays())
+        return self
+
+    def from_dense(self, keys: mx.array, values: mx.array, chunk_tokens: int = 1024) -> VeloxKVCache:
+        """Replace the contents with dense keys/values, encoded `chunk_tokens` tokens at a time."""
+        total = keys.shape[-2]
+        starts = range(0, total, chunk_tokens)
+        return self.load_dense(
+            (keys[..., s : s + chunk_tokens, :], values[..., s : s + chunk_tokens, :]) for s in starts
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.describe()}, layer={self.layer_index}, offset={self.offset})"
+
+
+def _grow_to(array: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:
+    """A buffer with room for `needed` tokens on axis -2, keeping the first `used` tokens of `array`."""
+    capacity = math.ceil(needed / step) * step
+    shape = (*like.shape[:-2], capacity, like.shape[-1])
+    grown = mx.zeros(shape, dtype=like.dtype)
+    if array is not None and used > 0:
+        grown[..., :used, :] = array[..., :used, :]
+    return grown
+
+
+class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
+    """Base of compressed methods: sink tokens + compressed history + recent window (see module doc).
+
+    A method implements `_encode`, `_compressed_scores`, `_compressed_values` and `_decode`, and may
+    override the `_*_in`/`_*_out` transforms (e.g. a rotation) and `_constant_arrays`.
+    Compressed storage is a dict of arrays sharing the token axis (-2): for example packed codes,
+    scales and biases of keys and of values.
+    """
+
+    # Tokens move from the window into compressed storage in multiples of this (per-channel methods
+    # such as KIVI quantize blocks of tokens together).
+    token_block: ClassVar[int] = 1
+
+    def __init__(self, config: KVCacheConfig, layer_index: int = 0) -> None:
+        super().__init__(config, layer_index)
+        self._reset_storage()
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
+        super().check_config(config, head_dim)
+        choice = config.options.get("prefill_attention", "fused")
+        if choice not in PREFILL_ATTENTION_CHOICES:
+            raise ConfigError(
+                f"prefill_attention must be {', '.join(PREFILL_ATTENTION_CHOICES)}, not {choice!r}."
+            )
+
+    def _reset_storage(self) -> None:
+        self._sink_keys: mx.array | None = None
+        self._sink_values: mx.array | None = None
+        self._window_keys: mx.array | None = None
+        self._window_values: mx.array | None = None
+        self._store: dict[str, mx.array] | None = None
+        self._n_compressed = 0
+
+    # mlx-lm's scaled_dot_product_attention sends caches with `bits` to the hooked quantized path.
+    @property
+    def bits(self) -> int:
+        return int(self.config.key_bits or 0)
+
+    @property
+    def group_size(self) -> int:
+        return self.config.group_size
+
+    # ----- what a method implements --------------------------------------------------------------------
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """Compress tokens (in transformed space, 16-bit): arrays whose axis -2 is the token axis."""
+        raise NotImplementedError
+
+    def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
+        """queries [B, n_kv, R, Dk] (scaled, transformed) · compressed keys -> [B, n_kv, R, n_compressed]."""
+        raise NotImplementedError
+
+    def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
+        """weights [B, n_kv, R, n_compressed] · compressed values -> [B, n_kv, R, Dv]."""
+        raise NotImplementedError
+
+    def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        """Decompress a slice of the store into 16-bit keys and values (transformed space)."""
+        raise NotImplementedError
+
+    def _decode_keys(self, store: dict[str, mx.array]) -> mx.array:
+        """Only the keys of `_decode` (methods may override to skip decoding values)."""
+        return self._decode(store)[0]
+
+    def _decode_values(self, store: dict[str, mx.array]) -> mx.array:
+        return self._decode(store)[1]
+
+    def _slice_store(self, store: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
+        """Tokens [start, end) of every store array (token axis -2; methods with another layout override)."""
+        return {name: array[..., start:end, :] for name, array in store.items()}
+
+    def _constant_arrays(self) -> list[mx.array]:
+        """Arrays held besides the tokens (rotations, codebooks); counted in nbytes."""
+        return []
+
+    @classmethod
+    def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
+        """Bits one compressed token takes in one kv head, keys and values together."""
+        raise NotImplementedError
+
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        """Bytes of per-layer constants (see `_constant_arrays`)."""
+        return 0
+
+    def _keys_in(self, keys: mx.array) -> mx.array:
+        return keys
+
+    def _values_in(self, values: mx.array) -> mx.array:
+        return values
+
+    def _queries_in(self, queries: mx.array) -> mx.array:
+        return queries
+
+    def _output_out(self, output: mx.array) -> mx.array:
+        return output
+
+    def _keys_out(self, keys: mx.array) -> mx.array:
+        return keys
+
+    def _values_out(self, values: mx.array) -> mx.array:
+        return values
+
+    # ----- formula ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def token_split(cls, config: KVCacheConfig, n_tokens: int) -> tuple[int, int, int]:
+        """(sink, compressed, window) token counts once `n_tokens` have been added, however chunked."""
+        n_sink = min(config.sink_tokens, n_tokens)
+        rest = n_tokens - n_sink
+        overflow = max(0, rest - config.residual_window)
+        n_compressed = overflow // cls.token_block * cls.token_block
+        return n_sink, n_compressed, rest - n_compressed
+
+    @classmethod
+    def effective_bits_per_value(
+        cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
+    ) -> float:
+        config = config.validate(head_dim)
+        compressed = cls.compressed_bits_per_token(config, head_dim)
+        values_per_token = 2 * head_dim  # one key and one value vector per token and kv head
+        if n_tokens is None:
+            return compressed / values_per_token
+        if n_tokens <= 0:
+            raise ValueError("n_tokens must be positive (or None for the long-context limit).")
+        n_sink, n_compressed, n_window = cls.token_split(config, n_tokens)
+        total_bits = (
+            n_compressed * compressed
+            + (n_sink + n_window) * values_per_token * 16
+            + cls.constant_bytes(config, head_dim) * 8 / n_kv_heads
+        )
+        return total_bits / (n_tokens * values_per_token)
+
+    # ----- cache contract ---------------------------------------------------------------------------------
+
+    @property
+    def n_sink(self) -> int:
+        return 0 if self._sink_keys is None else self._sink_keys.shape[-2]
+
+    @property
+    def n_window(self) -> int:
+        return 0 if self._window_keys is None else self._window_keys.shape[-2]
+
+    @property
+    def n_compressed(self) -> int:
+        return self._n_compressed
+
+    @property
+    def capacity(self) -> int:
+        """Compressed token slots allocated (nbytes counts them all)."""
+        return 0 if self._store is None else next(iter(self._store.values())).shape[-2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if not self.is_set_up:
+            self._setup_from(keys, values)
+        if not _attention.attention_dispatch_installed():
+            # Our caches only work through the hook; install it on first use (see attention.py).
+            _attention.install_attention_dispatch()
+        dense_dtype = self._dense_dtype
+        keys = self._keys_in(keys).astype(dense_dtype)
+        values = self._values_in(values).astype(dense_dtype)
+        n_new = keys.shape[-2]
+        start = 0
+        if self.n_sink < self.config.sink_tokens and self.offset == self.n_sink:
+            start = min(self.config.sink_tokens - self.n_sink, n_new)
+            self._sink_keys = _owned(_append(self._sink_keys, keys[..., :start, :]))
+            self._sink_values = _owned(_append(self._sink_values, values[..., :start, :]))
+        if start < n_new:
+            new_keys, new_values = keys[..., start:, :], values[..., start:, :]
+            if start:  # a view past the sink tokens would pin them twice
+                new_keys, new_values = _owned(new_keys), _owned(new_values)
+            self._window_keys = _append(self._window_keys, new_keys)
+            self._window_values = _append(self._window_values, new_values)
+        overflow = max(0, self.n_window - self.config.residual_window)
+        overflow = overflow // self.token_block * self.token_block
+        if overflow:
+            self._append_compressed(
+                self._encode(self._window_keys[..., :overflow, :], self._window_values[..., :overflow, :])
+            )
+            if overflow == self.n_window:
+                self._window_keys = self._window_values = None
+            else:
+                self._window_keys = _owned(self._window_keys[..., overflow:, :])
+                self._window_values = _owned(self._window_values[..., overflow:, :])
+        self.offset += n_new
+        return self, self
+
+    def _append_compressed(self, chunk: dict[str, mx.array]) -> None:
+        n_new = next(iter(chunk.values())).shape[-2]
+        needed = self._n_compressed + n_new
+        if self._store is None or needed > self.capacity:
+            self._store = {
+                name: _grow_to(
+                    None if self._store is None else self._store[name],
+                    self._n_compressed,
+                    needed,
+                    self.step,
+                    like=part,
+                )
+                for name, part in chunk.items()
+            }
+        for name, part in chunk.items():
+            self._store[name][..., self._n_compressed : needed, :] = part
+        self._n_compressed = needed
+
+    def _compressed_view(self) -> dict[str, mx.array]:
+        assert self._store is not None
+        if self._n_compressed == self.capacity:
+            return self._store
+        return {name: array[..., : self._n_compressed, :] for name, array in self._store.items()}
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, max(0, n))
+        left = n
+        if left and self.n_window:
+            take = min(left, self.n_window)
+            keep = self.n_window - take
+            if keep:
+                self._window_keys = _owned(self._window_keys[..., :keep, :])
+                self._window_values = _owned(self._window_values[..., :keep, :])
+            else:
+                self._window_keys = self._window_values = None
+            left -= take
+        if left and self._n_compressed:
+            take = min(left, self._n_compressed)
+            self._n_compressed -= take
+            left -= take
+        if left and self.n_sink:
+            keep = self.n_sink - left
+            if keep:
+                self._sink_keys = _owned(self._sink_keys[..., :keep, :])
+                self._sink_values = _owned(self._sink_values[..., :keep, :])
+            else:
+                self._sink_keys = self._sink_values = None
+        self.offset -= n
+        return n
+
+    @property
+    def _dense_dtype(self) -> mx.Dtype:
+        return sixteen_bit_dtype(self.input_dtype)
+
+    def _held_arrays(self) -> list[mx.array]:
+        arrays = [
+            a
+            for a in (self._sink_keys, self._sink_values, self._window_keys, self._window_values)
+            if a is not None
+        ]
+        if self._store is not None:
+            arrays.extend(self._store.values())
+        arrays.extend(self._constant_arrays())
+        return arrays
+
+    # ----- attention ----------------------------------------------------------------------------------------
+
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: mx.array | str | None
+    ) -> mx.array:
+        """Softmax attention of `queries` [B, n_q_heads, L, Dk] over every cached token.
+
+        Query heads are grouped onto their kv head by a free reshape to [B, n_kv, repeats*L, D]
+        (as mlx-lm's quantized SDPA does), so keys and values are never repeated in memory.
+        """
+        batch, n_query_heads, n_queries, _ = queries.shape
+        n_kv = self._n_kv_heads
+        repeats = n_query_heads // n_kv
+        grouped = (self._queries_in(queries) * scale).reshape(batch, n_kv, repeats * n_queries, -1)
+        compute_dtype = grouped.dtype
+
+        n_compressed = self._n_compressed
+        store = self._compressed_view() if n_compressed else {}
+        dequantize = repeats * n_queries >= DEQUANTIZE_MIN_ROWS and _prefill_dequantizes(
+            self.config.options.get("prefill_attention", "fused")
+        )
+        # Token ranges of the compressed history decoded one at a time (only on the dequantize path).
+        blocks = (
+            [(s, min(s + DEQUANTIZE_BLOCK_TOKENS, n_compressed)) for s in range(0, n_compressed, DEQUANTIZE_BLOCK_TOKENS)]
+            if dequantize
+            else []
+        )
+
+        scores = []
+        if self.n_sink:
+            scores.append(grouped @ self._sink_keys.astype(compute_dtype).swapaxes(-1, -2))
+        if n_compressed and not dequantize:
+            scores.append(self._compressed_scores(grouped, store).astype(compute_dtype))
+        for start, end in blocks:
+            block_keys = self._decode_keys(self._slice_store(store, start, end)).astype(compute_dtype)
+            scores.append(grouped @ block_keys.swapaxes(-1, -2))
+        if self.n_window:
+            scores.append(grouped @ self._window_keys.astype(compute_dtype).swapaxes(-1, -2))
+        all_scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+        n_keys = all_scores.shape[-1]
+
+        all_scores = all_scores.reshape(batch, n_kv, repeats, n_queries, n_keys)
+        all_scores = apply_attention_mask(all_scores, mask, n_queries, n_query_heads)
+        weights = mx.softmax(all_scores, axis=-1, precise=True)
+        weights = weights.reshape(batch, n_kv, repeats * n_queries, n_keys)
+
+        output = None
+        position = 0
+        if self.n_sink:
+            part = weights[..., position : position + self.n_sink]
+            output = _add(output, part @ self._sink_values.astype(compute_dtype))
+            position += self.n_sink
+        if n_compressed and not dequantize:
+            part = weights[..., position : position + n_compressed]
+            output = _add(output, self._compressed_values(part, store).astype(compute_dtype))
+        for start, end in blocks:
+            block_values = self._decode_values(self._slice_store(store, start, end)).astype(compute_dtype)
+            output = _add(output, weights[..., position + start : position + end] @ block_values)
+        position += n_compressed
+        if self.n_window:
+            part = weights[..., position:]
+            output = _add(output, part @ self._window_values.astype(compute_dtype))
+
+        output = output.reshape(batch, n_query_heads, n_queries, -1)
+        return self._output_out(output).astype(queries.dtype)
+
+    # ----- state and dense export ---------------------------------------------------------------------------
+
+    def _array_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+            array = getattr(self, "_" + name)
+            if array is not None:
+                state[name] = array
+        if self._n_compressed:
+            state["compressed"] = dict(self._compressed_view())
+        extra = self._extra_state()
+        if extra:
+            state["extra"] = extra
+        return state
+
+    def _load_array_state(self, value: dict[str, Any]) -> None:
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+            setattr(self, "_" + name, value.get(name))
+        compressed = value.get("compressed")
+        if compressed:
+            self._store = dict(compressed)
+            self._n_compressed = self.capacity
+        self._load_extra_state(value.get("extra") or {})
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Method arrays that cannot be rebuilt from the config (e.g. calibrated codebooks)."""
+        return {}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        pass
+
+    def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive.")
+        dtype = self.input_dtype
+        if self.n_sink:
+            yield (
+                self._keys_out(self._sink_keys).astype(dtype),
+                self._values_out(self._sink_values).astype(dtype),
+            )
+        for start in range(0, self._n_compressed, chunk_tokens):
+            end = min(start + chunk_tokens, self._n_compressed)
+            assert self._store is not None
+            keys, values = self._decode(self._slice_store(self._store, start, end))
+            yield self._keys_out(keys).astype(dtype), self._values_out(values).astype(dtype)
+        if self.n_window:
+            yield (
+                self._keys_out(self._window_keys).astype(dtype),
+                self._values_out(self._window_values).astype(dtype),
+            )
+
+
+def _prefill_dequantizes(choice: str) -> bool:
+    if choice == "auto":
+        return mx.default_device() == mx.cpu
+    return choice == "dequantize-blocks"
+
+
+def _owned(array: mx.array | None) -> mx.array | None:
+    """A copy that owns exactly its own bytes. A slice is a view that keeps its whole source buffer alive
+    (e.g. the 4 sink tokens of a 2048-token prefill chunk would pin the chunk), which nbytes would not
+    show; 16-bit segments are small, so copying them keeps nbytes equal to the memory really held."""
+    return None if array is None else mx.contiguous(array)
+
+
+def _append(existing: mx.array | None, new: mx.array) -> mx.array | None:
+    if new.shape[-2] == 0:
+        return existing
+    if existing is None:
+        return new
+    return mx.concatenate([existing, new], axis=-2)
+
+
+def _add(total: mx.array | None, part: mx.array) -> mx.array:
+    return part if total is None else total + part
+
+
+def config_from_state(state: dict[str, Any]) -> KVCacheConfig:
+    """The config saved in a Velox cache state (for inspecting saved prompt caches)."""
+    return KVCacheConfig.from_json(state["meta"]["config"])
+
+
+__all__ = [
+    "SegmentedKVCache",
+    "VeloxKVCache",
+    "apply_attention_mask",
+    "config_from_state",
+    "dtype_name",
+    "sixteen_bit_dtype",
+]

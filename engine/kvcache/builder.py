@@ -1,0 +1,132 @@
+"""Build one Velox KV cache per layer for an mlx-lm model, usable as `prompt_cache` unchanged.
+
+    caches = KVCacheBuilder(KVCacheConfig(method="rotated", key_bits=4)).for_model(model).build()
+    mlx_lm.stream_generate(model, tokenizer, prompt, prompt_cache=caches)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import ConfigError
+from engine.kvcache.attention import install_attention_dispatch
+from engine.kvcache.base import VeloxKVCache
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.registry import get_method, register_with_mlx_lm
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a KV cache needs to know about the model's attention."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def gqa_repeats(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+def _argument(args: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def model_shape(model: Any) -> ModelShape:
+    """Read layers, heads, kv heads and head_dim from an mlx-lm model (`model.layers`, `model.args`)."""
+    layers = getattr(model, "layers", None)
+    args = getattr(model, "args", None)
+    if layers is None or args is None:
+        raise ConfigError("This model does not expose `layers` and `args`, so its KV cache cannot be built.")
+    if any(getattr(layer, "use_sliding", False) for layer in layers):
+        raise ConfigError(
+            "This model uses sliding-window attention layers, which Velox's compressed caches do not support."
+        )
+    n_heads = _argument(args, "num_attention_heads", "n_heads")
+    n_kv_heads = _argument(args, "num_key_value_heads", "n_kv_heads") or n_heads
+    hidden = _argument(args, "hidden_size", "dim")
+    head_dim = _argument(args, "head_dim")
+    if head_dim is None and n_heads and hidden:
+        head_dim = hidden // n_heads
+    if not (n_heads and n_kv_heads and head_dim):
+        raise ConfigError("Cannot read the attention heads and head_dim from this model's arguments.")
+    if n_heads % n_kv_heads:
+        raise ConfigError(f"{n_heads} query heads cannot be grouped onto {n_kv_heads} kv heads.")
+    return ModelShape(n_layers=len(layers), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+
+
+class KVCacheBuilder:
+    """Validated construction of a per-layer prompt cache for one config and one model."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.shape: ModelShape | None = None
+
+    def for_model(self, model: Any) -> KVCacheBuilder:
+        self.shape = model_shape(model)
+        self.config = self.config.validate(self.shape.head_dim)
+        return self
+
+    def for_shape(self, shape: ModelShape) -> KVCacheBuilder:
+        self.shape = shape
+        self.config = self.config.validate(shape.head_dim)
+        return self
+
+    def effective_bits_per_value(self, n_tokens: int | None = None) -> float:
+        shape = self._require_shape()
+        return get_method(self.config.method).effective_bits_per_value(
+            self.config, shape.head_dim, n_tokens, shape.n_kv_heads
+        )
+
+    def build(self) -> list[VeloxKVCache]:
+        """One cache per layer; installs the attention hook and mlx-lm loader registration (idempotent)."""
+        shape = self._require_shape()
+        cache_class = get_method(self.config.method)
+        install_attention_dispatch()
+        register_with_mlx_lm()
+        return [cache_class(self.config, layer_index=i) for i in range(shape.n_layers)]
+
+    def _require_shape(self) -> ModelShape:
+        if self.shape is None:
+            raise ConfigError("Call for_model(model) before building the KV cache.")
+        return self.shape
+
+
+def _dense_chunks(cache: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
+    """(keys, values) chunks of any supported cache: a Velox cache, or mlx-lm's KVCache."""
+    if hasattr(cache, "iter_dense"):
+        yield from cache.iter_dense(chunk_tokens=chunk_tokens)
+        return
+    keys, values, offset = getattr(cache, "keys", None), getattr(cache, "values", None), cache.offset
+    if keys is None or not isinstance(keys, mx.array):
+        raise ConfigError(f"Cannot re-encode a {type(cache).__name__}: it does not hold plain keys and values.")
+    for start in range(0, offset, chunk_tokens):
+        end = min(start + chunk_tokens, offset)
+        yield keys[..., start:end, :], values[..., start:end, :]
+
+
+def reencode_caches(
+    caches: list[Any], config: KVCacheConfig, chunk_tokens: int = 1024
+) -> list[VeloxKVCache]:
+    """New per-layer caches holding the same tokens as `caches`, stored with `config`.
+
+    Each layer is decoded and re-encoded `chunk_tokens` at a time, so the extra memory at any moment is
+    one layer's new cache plus one dense chunk (the history is dequantized once, here, not per step).
+    """
+    cache_class = get_method(config.method)
+    install_attention_dispatch()
+    new_caches = []
+    for layer_index, old in enumerate(caches):
+        new = cache_class(config, layer_index=layer_index)
+        new.load_dense(_dense_chunks(old, chunk_tokens))
+        new_caches.append(new)
+    return new_caches

@@ -1,0 +1,243 @@
+"""KIVI: keys quantized per channel over blocks of tokens, values per token; attention on the packed codes.
+
+Keys have a few channels with large magnitude in every token; quantizing each key per token puts those
+outliers in the same group as the small channels. KIVI instead quantizes each channel over a block of
+G = `group_size` consecutive tokens (one scale and bias per channel and block), so an outlier channel gets
+its own scale. Values have no such channel structure and are quantized per token, in groups of G channels,
+exactly as `affine` does.
+
+Key layout, chosen so attention reads the codes with `mx.quantized_matmul`: a block of keys [G, D] is
+transposed to [D, G] and quantized along the token axis with MLX's affine quantization (group = G), and
+blocks are appended along that axis. The stored keys Kᵀ are therefore [.., D, T·bits/32] packed words with
+scales and biases [.., D, T/G], and
+    scores = q · Kᵀ = quantized_matmul(q, codes, scales, biases, transpose=False, group_size=G)
+multiplies by the transposed quantized matrix directly (the last axis of a transpose=False weight is its
+output axis, here the tokens, which is also the quantization axis). Values use transpose=False on
+[.., T, D·bits/32] as in `affine`. Nothing is ever dequantized for attention.
+
+Only whole blocks can be quantized, so tokens leave the 16-bit recent window G at a time: the window holds
+between `residual_window` and `residual_window` + G - 1 tokens (the KIVI paper's residual; with
+residual_window 0 it holds the partial newest block only). Trimming into a block moves that block's kept
+tokens back into the window, decoded (see `trim`).
+
+Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
+manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
+`iter_dense` are overridden. Value arrays keep the base layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import ClassVar
+
+import mlx.core as mx
+
+from engine.errors import ConfigError
+from engine.kvcache.base import SegmentedKVCache, _grow_to
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.methods.affine import AFFINE_BITS, AFFINE_GROUP_SIZES, SCALE_BITS
+from engine.kvcache.registry import register_method
+
+# Arrays with the token axis last (per-channel keys); every other store array has it at -2.
+KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+
+
+@register_method("kivi")
+class VeloxKIVIKVCache(SegmentedKVCache):
+    supported_bits: ClassVar[tuple[int, ...]] = AFFINE_BITS
+    default_bits: ClassVar[int] = 4
+    supported_group_sizes: ClassVar[tuple[int, ...] | None] = AFFINE_GROUP_SIZES
+    needs_calibration: ClassVar[bool] = False
+    attention_path: ClassVar[str] = "fused"
+    description: ClassVar[str] = (
+        "KIVI: keys quantized per channel over blocks of group_size tokens, values per token; the newest "
+        "partial block stays 16-bit; attention reads the packed codes with quantized_matmul."
+    )
+
+    @property
+    def token_block(self) -> int:  # type: ignore[override]
+        return self.config.group_size
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
+        super().check_config(config, head_dim)
+        if head_dim % config.group_size:
+            raise ConfigError(
+                f"Method 'kivi' quantizes values in groups of {config.group_size} channels, but head_dim "
+                f"{head_dim} is not divisible by {config.group_size}; choose a group size that divides it."
+            )
+        if cls.step % config.group_size:
+            raise ConfigError(
+                f"Method 'kivi' needs a group size dividing {cls.step}, not {config.group_size}."
+            )
+
+    @classmethod
+    def token_split(cls, config: KVCacheConfig, n_tokens: int) -> tuple[int, int, int]:
+        n_sink = min(config.sink_tokens, n_tokens)
+        rest = n_tokens - n_sink
+        overflow = max(0, rest - config.residual_window)
+        n_compressed = overflow // config.group_size * config.group_size
+        return n_sink, n_compressed, rest - n_compressed
+
+    @classmethod
+    def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
+        # Keys: a scale and a bias per channel and block of G tokens = head_dim·32/G bits per token.
+        key_bits = head_dim * config.key_bits + head_dim * 2 * SCALE_BITS / config.group_size
+        # Values: a scale and a bias per token and group of G channels.
+        value_bits = head_dim * config.value_bits + head_dim // config.group_size * 2 * SCALE_BITS
+        return float(key_bits + value_bits)
+
+    # ----- encode / decode --------------------------------------------------------------------------------
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        group_size = self.config.group_size
+        # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
+        key_codes, key_scales, key_biases = mx.quantize(
+            keys.swapaxes(-1, -2), group_size=group_size, bits=self.config.key_bits
+        )
+        value_codes, value_scales, value_biases = mx.quantize(
+            values, group_size=group_size, bits=self.config.value_bits
+        )
+        return {
+            "value_codes": value_codes,
+            "value_scales": value_scales,
+            "value_biases": value_biases,
+            "key_codes": key_codes,
+            "key_scales": key_scales,
+            "key_biases": key_biases,
+        }
+
+    def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        group_size = self.config.group_size
+        keys_transposed = mx.dequantize(
+            store["key_codes"],
+            store["key_scales"],
+            store["key_biases"],
+            group_size=group_size,
+            bits=self.config.key_bits,
+        )
+        values = mx.dequantize(
+            store["value_codes"],
+            store["value_scales"],
+            store["value_biases"],
+            group_size=group_size,
+            bits=self.config.value_bits,
+        )
+        return keys_transposed.swapaxes(-1, -2), values
+
+    def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
+        # queries [.., R, D] @ Kᵀ [.., D, T] with Kᵀ quantized along T: transpose=False.
+        return mx.quantized_matmul(
+            queries,
+            store["key_codes"],
+            store["key_scales"],
+            store["key_biases"],
+            transpose=False,
+            group_size=self.config.group_size,
+            bits=self.config.key_bits,
+        )
+
+    def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
+        return mx.quantized_matmul(
+            weights,
+            store["value_codes"],
+            store["value_scales"],
+            store["value_biases"],
+            transpose=False,
+            group_size=self.config.group_size,
+            bits=self.config.value_bits,
+        )
+
+    # ----- store layout: keys have the token axis last --------------------------------------------------
+
+    def _key_units(self, name: str, n_tokens: int) -> int:
+        """Length along the last axis of key array `name` for `n_tokens` tokens (a multiple of G)."""
+        if name == "key_codes":
+            return n_tokens * self.config.key_bits // 32
+        return n_tokens // self.config.group_size
+
+    def _slice_store(self, store: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
+        """Tokens [start, end) of every store array; start and end are multiples of G."""
+        return {
+            name: (
+                array[..., self._key_units(name, start) : self._key_units(name, end)]
+                if name in KEY_PARTS
+                else array[..., start:end, :]
+            )
+            for name, array in store.items()
+        }
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._store is None else self._store["value_codes"].shape[-2]
+
+    def _append_compressed(self, chunk: dict[str, mx.array]) -> None:
+        n_new = chunk["value_codes"].shape[-2]
+        used = self._n_compressed
+        needed = used + n_new
+        if self._store is None or needed > self.capacity:
+            new_capacity = math.ceil(needed / self.step) * self.step
+            grown = {}
+            for name, part in chunk.items():
+                old = None if self._store is None else self._store[name]
+                if name in KEY_PARTS:
+                    buffer = mx.zeros(
+                        (*part.shape[:-1], self._key_units(name, new_capacity)), dtype=part.dtype
+                    )
+                    if old is not None and used:
+                        buffer[..., : self._key_units(name, used)] = old[..., : self._key_units(name, used)]
+                    grown[name] = buffer
+                else:
+                    grown[name] = _grow_to(old, used, needed, self.step, like=part)
+            self._store = grown
+        for name, part in chunk.items():
+            if name in KEY_PARTS:
+                self._store[name][..., self._key_units(name, used) : self._key_units(name, needed)] = part
+            else:
+                self._store[name][..., used:needed, :] = part
+        self._n_compressed = needed
+
+    def _compressed_view(self) -> dict[str, mx.array]:
+        assert self._store is not None
+        if self._n_compressed == self.capacity:
+            return self._store
+        return self._slice_store(self._store, 0, self._n_compressed)
+
+    def trim(self, n: int) -> int:
+        """Drop the newest `n` tokens. A block cut in the middle cannot stay quantized (its scales cover
+        G tokens), so its kept tokens move into the 16-bit window, decoded: attention and `to_dense` see
+        exactly the values they saw before the trim; they are quantized again when the block refills."""
+        trimmed = super().trim(n)
+        group_size = self.config.group_size
+        partial = self._n_compressed % group_size
+        if partial:
+            assert self._store is not None and self.n_window == 0
+            block_start = self._n_compressed - partial
+            # The whole block is still in the buffer (trimming only lowered the count): decode it.
+            keys, values = self._decode(self._slice_store(self._store, block_start, block_start + group_size))
+            self._window_keys = keys[..., :partial, :]
+            self._window_values = values[..., :partial, :]
+            self._n_compressed = block_start
+        return trimmed
+
+    def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive.")
+        dtype = self.input_dtype
+        if self.n_sink:
+            yield self._sink_keys.astype(dtype), self._sink_values.astype(dtype)
+        group_size = self.config.group_size
+        # Decode whole blocks at a time, then hand them out at most `chunk_tokens` tokens at once.
+        span = max(group_size, chunk_tokens // group_size * group_size)
+        for start in range(0, self._n_compressed, span):
+            end = min(start + span, self._n_compressed)
+            assert self._store is not None
+            keys, values = self._decode(self._slice_store(self._store, start, end))
+            for piece in range(0, end - start, chunk_tokens):
+                yield (
+                    keys[..., piece : piece + chunk_tokens, :].astype(dtype),
+                    values[..., piece : piece + chunk_tokens, :].astype(dtype),
+                )
+        if self.n_window:
+            yield self._window_keys.astype(dtype), self._window_values.astype(dtype)

@@ -1,0 +1,239 @@
+"""The mlx-lm cache contract: honest nbytes, compressed storage, trim, save/load, generate, re-encode."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import generate, stream_generate
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache
+
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, reencode_caches
+from engine.memory import array_bytes
+from tests.test_kvcache_support import random_kv, relative_error, tiny_llama, tiny_tokenizer
+
+CONFIGS = {
+    "fp16": KVCacheConfig("fp16"),
+    "fp32": KVCacheConfig("fp32"),
+    "affine-4": KVCacheConfig("affine", 4, group_size=32),
+    "affine-k4v2-window": KVCacheConfig("affine", 4, 2, group_size=32, residual_window=16, sink_tokens=4),
+    "rotated-3": KVCacheConfig("rotated", 3, group_size=32),
+    "rotated-4-window": KVCacheConfig("rotated", 4, group_size=32, residual_window=8, sink_tokens=2),
+}
+
+
+def build(name: str, model=None):
+    model = model or tiny_llama()
+    return model, KVCacheBuilder(CONFIGS[name]).for_model(model).build()
+
+
+def feed(model, caches, n_tokens: int, chunk: int = 50, seed: int = 0) -> mx.array:
+    tokens = mx.random.randint(0, 100, (1, n_tokens), key=mx.random.key(seed))
+    outputs = [model(tokens[:, s : s + chunk], cache=caches) for s in range(0, n_tokens, chunk)]
+    mx.eval(outputs, [c.state for c in caches])
+    return mx.concatenate(outputs, axis=1)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
+    model, caches = build(name)
+    assert all(c.nbytes == 0 for c in caches)
+    feed(model, caches, 300)
+    cache = caches[0]
+    assert cache.offset == 300
+    assert cache.nbytes == array_bytes(cache) > 0
+    method = get_method(cache.config.method)
+    head_dim, n_kv_heads = 32, 2
+    # Buffers grow by 256-token steps, so the formula is evaluated at the allocated token count.
+    if hasattr(cache, "capacity"):
+        allocated = cache.n_sink + cache.capacity + cache.n_window
+    else:
+        allocated = 512
+    expected = method.expected_nbytes(cache.config, head_dim, allocated, n_kv_heads)
+    assert cache.nbytes == pytest.approx(expected, rel=1e-12)
+    # Filled to a step boundary, nbytes equals the formula at the real token count.
+    feed(model, caches, 512 - 300, seed=1)
+    if hasattr(cache, "capacity") and cache.n_compressed == cache.capacity:
+        assert cache.nbytes == pytest.approx(method.expected_nbytes(cache.config, head_dim, 512, n_kv_heads))
+
+
+@pytest.mark.parametrize("name", ["affine-4", "affine-k4v2-window", "rotated-3", "rotated-4-window"])
+def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
+    model, caches = build(name)
+    feed(model, caches, 400)
+    cache = caches[0]
+    config = cache.config
+    dense_tokens = config.sink_tokens + config.residual_window
+    for array in cache._held_arrays():
+        if mx.issubdtype(array.dtype, mx.floating) and array.ndim == 4:
+            # Float arrays are either the few 16-bit sink/window tokens or per-group scales/biases.
+            assert array.shape[-2] <= dense_tokens or array.shape[-1] == 32 // config.group_size, array.shape
+    store = cache._store
+    assert store["key_codes"].dtype == mx.uint32 and store["value_codes"].dtype == mx.uint32
+    fp16_bytes = 2 * 400 * 2 * 32 * 2  # keys+values, tokens, kv heads, head_dim, 2 bytes
+    ratio = (config.key_bits + config.value_bits) / 2 / 16
+    # Allocated in 256-token steps (512 slots for ~400 tokens); scales add 32/group_size bits.
+    assert cache.nbytes < fp16_bytes * 512 / 400 * (ratio + 2 / 16)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_and_load_round_trip_bit_exactly(name: str, tmp_path: Path) -> None:
+    model, caches = build(name)
+    feed(model, caches, 130, chunk=40)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches, metadata={"model": "tiny"})
+    loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
+    assert metadata == {"model": "tiny"}
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    for original, restored in zip(caches, loaded, strict=True):
+        assert restored.offset == original.offset and restored.config == original.config
+        original_leaves = dict(tree_flatten(original.state))
+        restored_leaves = dict(tree_flatten(restored.state))
+        assert sorted(original_leaves) == sorted(restored_leaves)
+        for key, a in original_leaves.items():
+            b = restored_leaves[key]
+            if isinstance(a, mx.array):
+                assert a.dtype == b.dtype and mx.array_equal(a, b), key
+            else:
+                assert a == b, key
+    # Continuing from either gives identical logits.
+    next_tokens = mx.array([[7, 8, 9]])
+    assert mx.array_equal(model(next_tokens, cache=caches), model(next_tokens, cache=loaded))
+    # A loaded cache holds exactly the filled tokens (no growth slack yet).
+    assert all(0 < r.nbytes <= c.nbytes for c, r in zip(caches, loaded, strict=True))
+
+
+def test_save_and_load_an_unused_cache(tmp_path: Path) -> None:
+    _, caches = build("rotated-3")
+    path = tmp_path / "empty.safetensors"
+    save_prompt_cache(str(path), caches)
+    loaded = load_prompt_cache(str(path))
+    assert all(c.empty() and c.offset == 0 and c.nbytes == 0 for c in loaded)
+    assert loaded[0].config == caches[0].config
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_trim_drops_the_newest_tokens(name: str) -> None:
+    model, caches = build(name)
+    feed(model, caches, 100, chunk=30)
+    before = [c.to_dense() for c in caches]
+    assert trim_prompt_cache(caches, 25) == 25
+    for cache, (keys, values) in zip(caches, before, strict=True):
+        assert cache.offset == cache.size() == 75
+        trimmed_keys, trimmed_values = cache.to_dense()
+        assert mx.array_equal(trimmed_keys, keys[..., :75, :])
+        assert mx.array_equal(trimmed_values, values[..., :75, :])
+    # Decoding continues after a trim, and trimming everything empties the cache.
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    assert caches[0].offset == 78
+    assert caches[0].trim(1000) == 78 and caches[0].empty()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mlx_lm_generate_runs_unchanged(name: str) -> None:
+    model, caches = build(name)
+    tokenizer = tiny_tokenizer()
+    prompt = " ".join(f"w{(i * 7) % 97 + 2}" for i in range(40))
+    text = generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=caches)
+    assert len(text.split()) == 6
+    mlx_lm_caches = make_prompt_cache(model)
+    reference = generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=mlx_lm_caches)
+    assert caches[0].offset == mlx_lm_caches[0].offset  # mlx-lm feeds tokens the same way to both
+    # stream_generate with a small prefill step: several prompt chunks over a growing history.
+    _, fresh = build(name, model)
+    responses = list(
+        stream_generate(model, tokenizer, prompt, max_tokens=4, prompt_cache=fresh, prefill_step_size=16)
+    )
+    assert responses[-1].generation_tokens == 4
+    if name == "fp32":
+        assert text == reference  # fp32 storage is exact: the same tokens as mlx-lm's own cache
+
+
+def test_greedy_tokens_with_8_bit_cache_match_the_uncompressed_model() -> None:
+    model = tiny_llama()
+    prompt = mx.array([(i * 13) % 97 + 2 for i in range(60)])
+    reference = [int(token) for token, _ in generate_step(prompt, model, max_tokens=10)]
+    caches = KVCacheBuilder(KVCacheConfig("affine", 8, group_size=32)).for_model(model).build()
+    compressed = [int(token) for token, _ in generate_step(prompt, model, max_tokens=10, prompt_cache=caches)]
+    assert len(compressed) == 10
+    assert compressed == reference
+
+
+@pytest.mark.parametrize(("source", "target"), [("affine-4", "rotated-4-window"), ("fp16", "rotated-3")])
+def test_dense_export_and_re_encode_in_chunks(source: str, target: str) -> None:
+    model, caches = build(source)
+    feed(model, caches, 200)
+    old = caches[0]
+    new = get_method(CONFIGS[target].method)(CONFIGS[target], layer_index=0)
+    new.load_dense(old.iter_dense(chunk_tokens=64))
+    assert new.offset == old.offset == 200
+    old_keys, old_values = old.to_dense()
+    new_keys, new_values = new.to_dense()
+    assert new_keys.shape == old_keys.shape and new_keys.dtype == old_keys.dtype
+    assert relative_error(new_keys, old_keys) < 0.25 and relative_error(new_values, old_values) < 0.25
+    # from_dense re-encodes the same way as load_dense over chunks.
+    again = get_method(CONFIGS[target].method)(CONFIGS[target]).from_dense(old_keys, old_values, chunk_tokens=64)
+    assert mx.array_equal(again.to_dense()[0], new_keys)
+
+
+def test_batches_of_two_sequences() -> None:
+    cache = get_method("rotated")(KVCacheConfig("rotated", 8, group_size=64, residual_window=4))
+    keys, values = random_kv(batch=2, n_tokens=40, head_dim=64)
+    cache.update_and_fetch(keys, values)
+    queries = mx.random.normal((2, 4, 1, 64))
+    output = cache.attention(queries, cache, cache, 0.125, None)
+    single = get_method("rotated")(KVCacheConfig("rotated", 8, group_size=64, residual_window=4))
+    single.update_and_fetch(keys[1:], values[1:])
+    assert output.shape == (2, 4, 1, 64)
+    assert mx.allclose(output[1:], single.attention(queries[1:], single, single, 0.125, None), atol=1e-5)
+
+
+def test_reencode_caches_from_mlx_lm_and_between_methods() -> None:
+    model = tiny_llama()
+    mlx_lm_caches = make_prompt_cache(model)
+    feed(model, mlx_lm_caches, 120, chunk=40)
+    exact = reencode_caches(mlx_lm_caches, KVCacheConfig("fp32"), chunk_tokens=50)
+    assert [c.offset for c in exact] == [120] * len(model.layers)
+    next_tokens = mx.array([[5, 6]])
+    assert mx.array_equal(model(next_tokens, cache=exact), model(next_tokens, cache=mlx_lm_caches))
+    compressed = reencode_caches(exact, KVCacheConfig("rotated", 8, group_size=32, residual_window=4))
+    assert compressed[1].offset == 122 and compressed[1].layer_index == 1
+    keys, _ = exact[1].to_dense()
+    assert relative_error(compressed[1].to_dense()[0], keys) < 0.02
+
+
+def _fill_with_fresh_tokens(cache, n_tokens: int, chunk: int) -> None:
+    # The tokens live only inside this function, so afterwards the cache is all that holds memory.
+    keys, values = random_kv(n_kv_heads=3, n_tokens=n_tokens, head_dim=64, seed=21)
+    for start in range(0, n_tokens, chunk):
+        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
+        mx.eval(cache._held_arrays())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVCacheConfig("affine", 4, residual_window=128, sink_tokens=4),
+        KVCacheConfig("rotated", 3, group_size=32, residual_window=100, sink_tokens=4),
+        KVCacheConfig("fp16"),
+    ],
+    ids=lambda config: config.describe(),
+)
+def test_nbytes_is_the_memory_mlx_really_holds(config: KVCacheConfig) -> None:
+    """Sinks and window are copied out of the prefill chunks they came from: a slice would keep the
+    whole 1000-token chunk alive without nbytes showing it."""
+    # A first fill on a throwaway cache takes MLX's one-time allocations out of the measurement.
+    _fill_with_fresh_tokens(get_method(config.method)(config), 300, chunk=100)
+    gc.collect()
+    # Emptying MLX's buffer cache makes every allocation below fresh: a reused cached buffer may be
+    # larger than asked for, and active memory counts its full size.
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    cache = get_method(config.method)(config)
+    _fill_with_fresh_tokens(cache, 2100, chunk=1000)
+    gc.collect()
+    assert mx.get_active_memory() - before == cache.nbytes > 0
