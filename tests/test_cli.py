@@ -63,3 +63,13 @@ def test_models_and_info(default_model_path):
 def test_no_command_prints_usage():
     result = velox()
     assert result.returncode == 2 and "usage" in result.stdout.lower()
+
+
+def test_methods_lists_every_registered_method_with_effective_bits():
+    from engine.kvcache import known_methods
+
+    result = velox("methods")
+    assert result.returncode == 0, result.stderr
+    for name in known_methods():
+        assert f"\n{name}: " in "\n" + result.stdout
+    assert "rotated" in result.stdout and "4→4.50" in result.stdout  # 4-bit codes + fp16 scale/bias per 64

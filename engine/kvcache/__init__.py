@@ -20,6 +20,7 @@ from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import (
     MethodInfo,
     all_method_info,
+    describe_methods,
     get_method,
     known_methods,
     method_info,
@@ -38,6 +39,7 @@ __all__ = [
     "SegmentedKVCache",
     "VeloxKVCache",
     "all_method_info",
+    "describe_methods",
     "attention_dispatch_installed",
     "get_method",
     "install_attention_dispatch",
