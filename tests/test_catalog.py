@@ -25,7 +25,7 @@ from engine.catalog import (
     remove_model_folder,
     resolve_model,
 )
-from engine.default_model import default_model_dir, is_default_model_ready
+from engine.default_model import default_model_dir
 from engine.errors import ModelError
 
 SMOLLM2_PARAMETERS = 134_515_008  # published count of SmolLM2-135M (tied embeddings)
@@ -93,13 +93,7 @@ def make_hf_snapshot(hub: Path, repo_id: str, revision: str = "abc123") -> Path:
 
 # ------------------------------------------------------------------------------------ the real default
 
-requires_default = pytest.mark.skipif(
-    not is_default_model_ready(), reason="the default model has not been converted on this machine"
-)
-
-
-@requires_default
-def test_default_model_folder_is_described_exactly() -> None:
+def test_default_model_folder_is_described_exactly(default_model_path) -> None:
     info = inspect_model_folder(default_model_dir())
     assert info.ready and info.note == ""
     assert info.model_type == "llama"
@@ -115,15 +109,13 @@ def test_default_model_folder_is_described_exactly() -> None:
     assert info.kv_bytes_per_token(bits=4) == 5760
 
 
-@requires_default
-def test_default_spec_shown_before_download_matches_the_real_folder() -> None:
+def test_default_spec_shown_before_download_matches_the_real_folder(default_model_path) -> None:
     info = inspect_model_folder(default_model_dir())
     for field, value in DEFAULT_MODEL_SPEC.items():
         assert getattr(info, field) == value, field
 
 
-@requires_default
-def test_load_model_gives_a_working_model() -> None:
+def test_load_model_gives_a_working_model(default_model_path) -> None:
     model, tokenizer, info = load_model(default_model_dir())
     assert info.parameters == SMOLLM2_PARAMETERS
     tokens = mx.array([tokenizer.encode("The quick brown fox jumps")[:3]])
