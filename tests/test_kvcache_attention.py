@@ -14,28 +14,20 @@ from engine.errors import ConfigError
 from engine.kvcache import (
     KVCacheConfig,
     attention_dispatch_installed,
-    get_method,
     install_attention_dispatch,
     uninstall_attention_dispatch,
 )
 from engine.kvcache.attention import original_quantized_sdpa
-from tests.test_kvcache_support import random_kv, reference_attention, relative_error, tiny_llama
-
-
-def make_cache(method: str, key_bits: int | None = None, value_bits: int | None = None, **kwargs):
-    return get_method(method)(KVCacheConfig(method, key_bits, value_bits, **kwargs))
-
-
-def filled(cache, keys: mx.array, values: mx.array, chunk: int = 37):
-    """Feed tokens in uneven chunks, as prefill and decoding do."""
-    for start in range(0, keys.shape[-2], chunk):
-        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
-    return cache
-
-
-def queries_for(n_query_heads: int, n_queries: int, head_dim: int, seed: int = 5, dtype=mx.float32):
-    return mx.random.normal((1, n_query_heads, n_queries, head_dim), key=mx.random.key(seed)).astype(dtype)
-
+from tests.test_kvcache_support import (
+    filled,
+    key_and_attention_errors,
+    make_cache,
+    queries_for,
+    random_kv,
+    reference_attention,
+    relative_error,
+    tiny_llama,
+)
 
 # ----- dispatch hook ----------------------------------------------------------------------------------
 
@@ -165,11 +157,7 @@ def test_rotation_beats_plain_affine_on_keys_with_outlier_channels(bits: int, gr
     results = {}
     for method in ("affine", "rotated"):
         cache = filled(make_cache(method, bits, group_size=group_size), keys, values)
-        dense_keys, _ = cache.to_dense()
-        results[method] = (
-            relative_error(dense_keys, keys),
-            relative_error(cache.attention(queries, cache, cache, 0.05, None), expected),
-        )
+        results[method] = key_and_attention_errors(cache, keys, queries, expected, 0.05)
     assert results["rotated"][0] < 0.75 * results["affine"][0], results
     assert results["rotated"][1] < 0.9 * results["affine"][1], results
 
@@ -239,7 +227,9 @@ def test_dequantize_blocks_prefill_matches_the_fused_path(method: str, monkeypat
     segments = {"sink_tokens": 4, "residual_window": 8}
     fused = filled(make_cache(method, 4, 3, group_size=64, **segments), keys, values)
     blocked = filled(
-        make_cache(method, 4, 3, group_size=64, options={"prefill_attention": "dequantize-blocks"}, **segments),
+        make_cache(
+            method, 4, 3, group_size=64, options={"prefill_attention": "dequantize-blocks"}, **segments
+        ),
         keys,
         values,
     )

@@ -7,14 +7,22 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import generate, stream_generate
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, reencode_caches
 from engine.memory import array_bytes
-from tests.test_kvcache_support import random_kv, relative_error, tiny_llama, tiny_tokenizer
+from tests.test_kvcache_support import (
+    assert_save_and_load_round_trip_bit_exactly,
+    assert_trim_drops_the_newest_tokens,
+    build_caches,
+    feed_tokens,
+    random_kv,
+    relative_error,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 CONFIGS = {
     "fp16": KVCacheConfig("fp16"),
@@ -26,23 +34,11 @@ CONFIGS = {
 }
 
 
-def build(name: str, model=None):
-    model = model or tiny_llama()
-    return model, KVCacheBuilder(CONFIGS[name]).for_model(model).build()
-
-
-def feed(model, caches, n_tokens: int, chunk: int = 50, seed: int = 0) -> mx.array:
-    tokens = mx.random.randint(0, 100, (1, n_tokens), key=mx.random.key(seed))
-    outputs = [model(tokens[:, s : s + chunk], cache=caches) for s in range(0, n_tokens, chunk)]
-    mx.eval(outputs, [c.state for c in caches])
-    return mx.concatenate(outputs, axis=1)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
-    model, caches = build(name)
+    model, caches = build_caches(CONFIGS[name])
     assert all(c.nbytes == 0 for c in caches)
-    feed(model, caches, 300)
+    feed_tokens(model, caches, 300)
     cache = caches[0]
     assert cache.offset == 300
     assert cache.nbytes == array_bytes(cache) > 0
@@ -56,15 +52,15 @@ def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
     expected = method.expected_nbytes(cache.config, head_dim, allocated, n_kv_heads)
     assert cache.nbytes == pytest.approx(expected, rel=1e-12)
     # Filled to a step boundary, nbytes equals the formula at the real token count.
-    feed(model, caches, 512 - 300, seed=1)
+    feed_tokens(model, caches, 512 - 300, seed=1)
     if hasattr(cache, "capacity") and cache.n_compressed == cache.capacity:
         assert cache.nbytes == pytest.approx(method.expected_nbytes(cache.config, head_dim, 512, n_kv_heads))
 
 
 @pytest.mark.parametrize("name", ["affine-4", "affine-k4v2-window", "rotated-3", "rotated-4-window"])
 def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
-    model, caches = build(name)
-    feed(model, caches, 400)
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 400)
     cache = caches[0]
     config = cache.config
     dense_tokens = config.sink_tokens + config.residual_window
@@ -82,33 +78,13 @@ def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_and_load_round_trip_bit_exactly(name: str, tmp_path: Path) -> None:
-    model, caches = build(name)
-    feed(model, caches, 130, chunk=40)
-    path = tmp_path / "cache.safetensors"
-    save_prompt_cache(str(path), caches, metadata={"model": "tiny"})
-    loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
-    assert metadata == {"model": "tiny"}
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    for original, restored in zip(caches, loaded, strict=True):
-        assert restored.offset == original.offset and restored.config == original.config
-        original_leaves = dict(tree_flatten(original.state))
-        restored_leaves = dict(tree_flatten(restored.state))
-        assert sorted(original_leaves) == sorted(restored_leaves)
-        for key, a in original_leaves.items():
-            b = restored_leaves[key]
-            if isinstance(a, mx.array):
-                assert a.dtype == b.dtype and mx.array_equal(a, b), key
-            else:
-                assert a == b, key
-    # Continuing from either gives identical logits.
-    next_tokens = mx.array([[7, 8, 9]])
-    assert mx.array_equal(model(next_tokens, cache=caches), model(next_tokens, cache=loaded))
-    # A loaded cache holds exactly the filled tokens (no growth slack yet).
-    assert all(0 < r.nbytes <= c.nbytes for c, r in zip(caches, loaded, strict=True))
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 130, chunk=40)
+    assert_save_and_load_round_trip_bit_exactly(model, caches, tmp_path / "cache.safetensors")
 
 
 def test_save_and_load_an_unused_cache(tmp_path: Path) -> None:
-    _, caches = build("rotated-3")
+    _, caches = build_caches(CONFIGS["rotated-3"])
     path = tmp_path / "empty.safetensors"
     save_prompt_cache(str(path), caches)
     loaded = load_prompt_cache(str(path))
@@ -118,24 +94,14 @@ def test_save_and_load_an_unused_cache(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trim_drops_the_newest_tokens(name: str) -> None:
-    model, caches = build(name)
-    feed(model, caches, 100, chunk=30)
-    before = [c.to_dense() for c in caches]
-    assert trim_prompt_cache(caches, 25) == 25
-    for cache, (keys, values) in zip(caches, before, strict=True):
-        assert cache.offset == cache.size() == 75
-        trimmed_keys, trimmed_values = cache.to_dense()
-        assert mx.array_equal(trimmed_keys, keys[..., :75, :])
-        assert mx.array_equal(trimmed_values, values[..., :75, :])
-    # Decoding continues after a trim, and trimming everything empties the cache.
-    model(mx.array([[1, 2, 3]]), cache=caches)
-    assert caches[0].offset == 78
-    assert caches[0].trim(1000) == 78 and caches[0].empty()
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 100, chunk=30)
+    assert_trim_drops_the_newest_tokens(model, caches)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mlx_lm_generate_runs_unchanged(name: str) -> None:
-    model, caches = build(name)
+    model, caches = build_caches(CONFIGS[name])
     tokenizer = tiny_tokenizer()
     prompt = " ".join(f"w{(i * 7) % 97 + 2}" for i in range(40))
     text = generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=caches)
@@ -144,7 +110,7 @@ def test_mlx_lm_generate_runs_unchanged(name: str) -> None:
     reference = generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=mlx_lm_caches)
     assert caches[0].offset == mlx_lm_caches[0].offset  # mlx-lm feeds tokens the same way to both
     # stream_generate with a small prefill step: several prompt chunks over a growing history.
-    _, fresh = build(name, model)
+    _, fresh = build_caches(CONFIGS[name], model)
     responses = list(
         stream_generate(model, tokenizer, prompt, max_tokens=4, prompt_cache=fresh, prefill_step_size=16)
     )
@@ -165,8 +131,8 @@ def test_greedy_tokens_with_8_bit_cache_match_the_uncompressed_model() -> None:
 
 @pytest.mark.parametrize(("source", "target"), [("affine-4", "rotated-4-window"), ("fp16", "rotated-3")])
 def test_dense_export_and_re_encode_in_chunks(source: str, target: str) -> None:
-    model, caches = build(source)
-    feed(model, caches, 200)
+    model, caches = build_caches(CONFIGS[source])
+    feed_tokens(model, caches, 200)
     old = caches[0]
     new = get_method(CONFIGS[target].method)(CONFIGS[target], layer_index=0)
     new.load_dense(old.iter_dense(chunk_tokens=64))
@@ -176,7 +142,9 @@ def test_dense_export_and_re_encode_in_chunks(source: str, target: str) -> None:
     assert new_keys.shape == old_keys.shape and new_keys.dtype == old_keys.dtype
     assert relative_error(new_keys, old_keys) < 0.25 and relative_error(new_values, old_values) < 0.25
     # from_dense re-encodes the same way as load_dense over chunks.
-    again = get_method(CONFIGS[target].method)(CONFIGS[target]).from_dense(old_keys, old_values, chunk_tokens=64)
+    again = get_method(CONFIGS[target].method)(CONFIGS[target]).from_dense(
+        old_keys, old_values, chunk_tokens=64
+    )
     assert mx.array_equal(again.to_dense()[0], new_keys)
 
 
@@ -195,7 +163,7 @@ def test_batches_of_two_sequences() -> None:
 def test_reencode_caches_from_mlx_lm_and_between_methods() -> None:
     model = tiny_llama()
     mlx_lm_caches = make_prompt_cache(model)
-    feed(model, mlx_lm_caches, 120, chunk=40)
+    feed_tokens(model, mlx_lm_caches, 120, chunk=40)
     exact = reencode_caches(mlx_lm_caches, KVCacheConfig("fp32"), chunk_tokens=50)
     assert [c.offset for c in exact] == [120] * len(model.layers)
     next_tokens = mx.array([[5, 6]])

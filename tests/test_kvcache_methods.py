@@ -8,22 +8,27 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
 from engine.errors import ConfigError
-from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, method_info
+from engine.kvcache import KVCacheConfig, get_method, method_info
 from engine.kvcache.evaluate import teacher_forced_quality
 from engine.kvcache.methods.turboquant import DEQUANTIZE_CHUNK_TOKENS
 from engine.kvcache.quant.codebooks import lloyd_max_distortion
 from engine.memory import array_bytes
 from tests.test_kvcache_support import (
+    assert_save_and_load_round_trip_bit_exactly,
+    assert_trim_drops_the_newest_tokens,
+    build_caches,
+    feed_tokens,
+    filled,
+    key_and_attention_errors,
+    make_cache,
     prose_tokens,
+    queries_for,
     random_kv,
     reference_attention,
     relative_error,
-    tiny_llama,
     tiny_tokenizer,
 )
 
@@ -37,33 +42,6 @@ CONFIGS = {
     "rvq-4-window-sinks": KVCacheConfig("rvq", 4, residual_window=8, sink_tokens=2),
 }
 TINY_HEAD_DIM, TINY_KV_HEADS = 32, 2  # tiny_llama's defaults
-
-
-def build(name: str, model=None):
-    model = model or tiny_llama()
-    return model, KVCacheBuilder(CONFIGS[name]).for_model(model).build()
-
-
-def feed(model, caches, n_tokens: int, chunk: int = 50, seed: int = 0) -> mx.array:
-    tokens = mx.random.randint(0, 100, (1, n_tokens), key=mx.random.key(seed))
-    outputs = [model(tokens[:, s : s + chunk], cache=caches) for s in range(0, n_tokens, chunk)]
-    mx.eval(outputs, [c.state for c in caches])
-    return mx.concatenate(outputs, axis=1)
-
-
-def make_cache(method: str, key_bits: int | None = None, value_bits: int | None = None, **kwargs):
-    return get_method(method)(KVCacheConfig(method, key_bits, value_bits, **kwargs))
-
-
-def filled(cache, keys: mx.array, values: mx.array, chunk: int = 37):
-    for start in range(0, keys.shape[-2], chunk):
-        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
-    mx.eval(cache._held_arrays())
-    return cache
-
-
-def queries_for(n_query_heads: int, n_queries: int, head_dim: int, seed: int = 5, dtype=mx.float32):
-    return mx.random.normal((1, n_query_heads, n_queries, head_dim), key=mx.random.key(seed)).astype(dtype)
 
 
 def unit_mse(decoded: mx.array, original: mx.array) -> float:
@@ -129,9 +107,9 @@ def test_invalid_configs_raise_one_clear_sentence(
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
-    model, caches = build(name)
+    model, caches = build_caches(CONFIGS[name])
     assert all(c.nbytes == 0 for c in caches)
-    feed(model, caches, 300)
+    feed_tokens(model, caches, 300)
     cache = caches[0]
     assert cache.offset == 300 and cache.n_compressed > 0
     assert cache.nbytes == array_bytes(cache) > 0
@@ -181,8 +159,8 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
-    model, caches = build(name)
-    feed(model, caches, 400)
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 400)
     cache = caches[0]
     config = cache.config
     store = cache._store
@@ -202,54 +180,21 @@ def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_save_and_load_round_trip_bit_exactly(name: str, tmp_path: Path) -> None:
-    model, caches = build(name)
-    feed(model, caches, 130, chunk=40)
-    path = tmp_path / "cache.safetensors"
-    save_prompt_cache(str(path), caches, metadata={"model": "tiny"})
-    loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
-    assert metadata == {"model": "tiny"}
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    for original, restored in zip(caches, loaded, strict=True):
-        assert restored.offset == original.offset and restored.config == original.config
-        assert (restored.n_sink, restored.n_compressed, restored.n_window) == (
-            original.n_sink,
-            original.n_compressed,
-            original.n_window,
-        )
-        original_leaves = dict(tree_flatten(original.state))
-        restored_leaves = dict(tree_flatten(restored.state))
-        assert sorted(original_leaves) == sorted(restored_leaves)
-        for key, a in original_leaves.items():
-            b = restored_leaves[key]
-            if isinstance(a, mx.array):
-                assert a.dtype == b.dtype and mx.array_equal(a, b), key
-            else:
-                assert a == b, key
-    next_tokens = mx.array([[7, 8, 9]])
-    assert mx.array_equal(model(next_tokens, cache=caches), model(next_tokens, cache=loaded))
-    assert all(0 < r.nbytes <= c.nbytes for c, r in zip(caches, loaded, strict=True))
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 130, chunk=40)
+    assert_save_and_load_round_trip_bit_exactly(model, caches, tmp_path / "cache.safetensors")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trim_drops_the_newest_tokens(name: str) -> None:
-    model, caches = build(name)
-    feed(model, caches, 100, chunk=30)
-    before = [c.to_dense() for c in caches]
-    assert trim_prompt_cache(caches, 25) == 25
-    for cache, (keys, values) in zip(caches, before, strict=True):
-        assert cache.offset == cache.size() == 75
-        assert cache.n_sink + cache.n_compressed + cache.n_window == 75
-        trimmed_keys, trimmed_values = cache.to_dense()
-        assert mx.array_equal(trimmed_keys, keys[..., :75, :])
-        assert mx.array_equal(trimmed_values, values[..., :75, :])
-    model(mx.array([[1, 2, 3]]), cache=caches)
-    assert caches[0].offset == 78
-    assert caches[0].trim(1000) == 78 and caches[0].empty()
+    model, caches = build_caches(CONFIGS[name])
+    feed_tokens(model, caches, 100, chunk=30)
+    assert_trim_drops_the_newest_tokens(model, caches)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mlx_lm_stream_generate_runs_unchanged(name: str) -> None:
-    model, caches = build(name)
+    model, caches = build_caches(CONFIGS[name])
     tokenizer = tiny_tokenizer()
     prompt = " ".join(f"w{(i * 7) % 97 + 2}" for i in range(80))
     responses = list(
@@ -360,11 +305,7 @@ def test_kivi_per_channel_keys_beat_per_token_keys_with_outlier_channels(bits: i
     results = {}
     for method in ("affine", "kivi"):  # same bits and group size; only the key grouping differs
         cache = filled(make_cache(method, bits, group_size=32), keys, values)
-        dense_keys, _ = cache.to_dense()
-        results[method] = (
-            relative_error(dense_keys, keys),
-            relative_error(cache.attention(queries, cache, cache, 0.05, None), expected),
-        )
+        results[method] = key_and_attention_errors(cache, keys, queries, expected, 0.05)
     # Measured: key error 0.13 vs 0.40 (2-bit), 0.03 vs 0.13 (4-bit); attention 0.42 vs 0.57, 0.09 vs 0.17.
     assert results["kivi"][0] < 0.4 * results["affine"][0], results
     assert results["kivi"][1] < 0.8 * results["affine"][1], results

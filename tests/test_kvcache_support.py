@@ -1,5 +1,6 @@
 """Shared helpers for the KV cache tests (no tests here): tiny random llama models, a word-level
-tokenizer for them, a dense reference attention, and the real default model when it is present."""
+tokenizer for them, caches built, fed and checked the same way by every cache test, a dense reference
+attention, and the real default model when it is present."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache, trim_prompt_cache
+
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method
 
 TINY_VOCAB = 100
 DATA_DIR = Path(__file__).parent / "data"
@@ -76,6 +81,98 @@ def random_kv(
     return keys.astype(dtype), values.astype(dtype)
 
 
+def build_caches(config: KVCacheConfig, model: llama.Model | None = None) -> tuple[llama.Model, list[Any]]:
+    """A tiny llama (unless given) and one cache per layer for `config`."""
+    model = model or tiny_llama()
+    return model, KVCacheBuilder(config).for_model(model).build()
+
+
+def feed_tokens(
+    model: llama.Model, caches: list[Any], n_tokens: int, chunk: int = 50, seed: int = 0
+) -> mx.array:
+    """Run `n_tokens` random tokens through the model in chunks of `chunk`; the logits of all of them."""
+    tokens = mx.random.randint(0, TINY_VOCAB, (1, n_tokens), key=mx.random.key(seed))
+    outputs = [model(tokens[:, s : s + chunk], cache=caches) for s in range(0, n_tokens, chunk)]
+    mx.eval(outputs, [c.state for c in caches])
+    return mx.concatenate(outputs, axis=1)
+
+
+def make_cache(method: str, key_bits: int | None = None, value_bits: int | None = None, **kwargs: Any) -> Any:
+    return get_method(method)(KVCacheConfig(method, key_bits, value_bits, **kwargs))
+
+
+def filled(cache: Any, keys: mx.array, values: mx.array, chunk: int = 37) -> Any:
+    """Feed tokens in uneven chunks, as prefill and decoding do; the cache, evaluated."""
+    for start in range(0, keys.shape[-2], chunk):
+        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
+    mx.eval(cache._held_arrays())
+    return cache
+
+
+def queries_for(
+    n_query_heads: int, n_queries: int, head_dim: int, seed: int = 5, dtype: mx.Dtype = mx.float32
+) -> mx.array:
+    return mx.random.normal((1, n_query_heads, n_queries, head_dim), key=mx.random.key(seed)).astype(dtype)
+
+
+def key_and_attention_errors(
+    cache: Any, keys: mx.array, queries: mx.array, expected: mx.array, scale: float
+) -> tuple[float, float]:
+    """(relative error of the decoded keys, of unmasked attention over the cache against `expected`)."""
+    dense_keys, _ = cache.to_dense()
+    return (
+        relative_error(dense_keys, keys),
+        relative_error(cache.attention(queries, cache, cache, scale, None), expected),
+    )
+
+
+def _segments(cache: Any) -> tuple[int, int, int] | None:
+    # Dense caches (fp16, fp32) have no sink/compressed/window segments.
+    return (cache.n_sink, cache.n_compressed, cache.n_window) if hasattr(cache, "n_compressed") else None
+
+
+def assert_save_and_load_round_trip_bit_exactly(model: llama.Model, caches: list[Any], path: Path) -> None:
+    """Saved with mlx-lm and loaded back, every cache has the same class, config, segments and state
+    arrays, bit for bit, and continuing from either gives identical logits."""
+    save_prompt_cache(str(path), caches, metadata={"model": "tiny"})
+    loaded, metadata = load_prompt_cache(str(path), return_metadata=True)
+    assert metadata == {"model": "tiny"}
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    for original, restored in zip(caches, loaded, strict=True):
+        assert restored.offset == original.offset and restored.config == original.config
+        assert _segments(restored) == _segments(original)
+        original_leaves = dict(tree_flatten(original.state))
+        restored_leaves = dict(tree_flatten(restored.state))
+        assert sorted(original_leaves) == sorted(restored_leaves)
+        for key, a in original_leaves.items():
+            b = restored_leaves[key]
+            if isinstance(a, mx.array):
+                assert a.dtype == b.dtype and mx.array_equal(a, b), key
+            else:
+                assert a == b, key
+    next_tokens = mx.array([[7, 8, 9]])
+    assert mx.array_equal(model(next_tokens, cache=caches), model(next_tokens, cache=loaded))
+    # A loaded cache holds exactly the filled tokens (no growth slack yet).
+    assert all(0 < r.nbytes <= c.nbytes for c, r in zip(caches, loaded, strict=True))
+
+
+def assert_trim_drops_the_newest_tokens(model: llama.Model, caches: list[Any]) -> None:
+    """On caches fed 100 tokens: trimming 25 keeps exactly the first 75 (decoded as before), decoding
+    continues after it, and trimming everything empties the cache."""
+    before = [c.to_dense() for c in caches]
+    assert trim_prompt_cache(caches, 25) == 25
+    for cache, (keys, values) in zip(caches, before, strict=True):
+        assert cache.offset == cache.size() == 75
+        segments = _segments(cache)
+        assert segments is None or sum(segments) == 75
+        trimmed_keys, trimmed_values = cache.to_dense()
+        assert mx.array_equal(trimmed_keys, keys[..., :75, :])
+        assert mx.array_equal(trimmed_values, values[..., :75, :])
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    assert caches[0].offset == 78
+    assert caches[0].trim(1000) == 78 and caches[0].empty()
+
+
 def reference_attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
@@ -116,4 +213,3 @@ def prose_tokens(tokenizer: Any) -> list[int]:
     """~1k tokens of English prose (tests/data/prose_sample.txt, Milton's Areopagitica, public domain)."""
     text = (DATA_DIR / "prose_sample.txt").read_text(encoding="utf-8")
     return list(tokenizer.encode(text))
-

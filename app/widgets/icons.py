@@ -8,6 +8,7 @@ from __future__ import annotations
 from PySide6.QtCore import QByteArray, QRectF, QSize, Qt
 from PySide6.QtGui import QIcon, QPainter, QPixmap
 from PySide6.QtSvg import QSvgRenderer
+from PySide6.QtWidgets import QAbstractButton
 
 _STROKE = 'fill="none" stroke="{color}" stroke-width="{width}" stroke-linecap="round" stroke-linejoin="round"'
 
@@ -63,3 +64,14 @@ def icon(name: str, color: str, size: int = 18, disabled_color: str | None = Non
 
 def icon_size(size: int = 18) -> QSize:
     return QSize(size, size)
+
+
+def dress_button(
+    button: QAbstractButton, name: str, color: str, size: int, tooltip: str, *, pointing_cursor: bool = True
+) -> None:
+    """Give a button icon `name` at `size` px, a tooltip and (unless told not to) a pointing-hand cursor."""
+    button.setIcon(icon(name, color, size))
+    button.setIconSize(icon_size(size))
+    button.setToolTip(tooltip)
+    if pointing_cursor:
+        button.setCursor(Qt.CursorShape.PointingHandCursor)

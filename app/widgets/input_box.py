@@ -72,10 +72,8 @@ class Composer(QFrame):
         row.setContentsMargins(0, 0, 0, 0)
         row.setSpacing(6)
         self.attach_button = QToolButton()
-        self.attach_button.setIcon(icons.icon("attach", c.secondary, 18))
-        self.attach_button.setIconSize(icons.icon_size(18))
-        self.attach_button.setToolTip("Attach a document (PDF, Markdown, HTML, text)")
-        self.attach_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        attach_tip = "Attach a document (PDF, Markdown, HTML, text)"
+        icons.dress_button(self.attach_button, "attach", c.secondary, 18, attach_tip)
         self.attach_button.clicked.connect(self.attachRequested.emit)
         self.input = ChatInput()
         self.input.submitted.connect(self.submitted.emit)

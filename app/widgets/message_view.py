@@ -166,11 +166,8 @@ class MessageBubble(QFrame):
 
     def _action_button(self, icon_name: str, tip: str) -> QToolButton:
         button = QToolButton()
-        button.setIcon(icons.icon(icon_name, self.palette_colors.secondary, 14))
-        button.setIconSize(icons.icon_size(14))
-        button.setToolTip(tip)
+        icons.dress_button(button, icon_name, self.palette_colors.secondary, 14, tip)
         button.setAutoRaise(True)
-        button.setCursor(Qt.CursorShape.PointingHandCursor)
         return button
 
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:

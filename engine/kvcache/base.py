@@ -388,12 +388,18 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
     # ----- formula ---------------------------------------------------------------------------------------
 
     @classmethod
+    def token_block_for(cls, config: KVCacheConfig) -> int:
+        """`token_block` under `config` (methods whose block depends on the config override this)."""
+        return cls.token_block
+
+    @classmethod
     def token_split(cls, config: KVCacheConfig, n_tokens: int) -> tuple[int, int, int]:
         """(sink, compressed, window) token counts once `n_tokens` have been added, however chunked."""
         n_sink = min(config.sink_tokens, n_tokens)
         rest = n_tokens - n_sink
         overflow = max(0, rest - config.residual_window)
-        n_compressed = overflow // cls.token_block * cls.token_block
+        block = cls.token_block_for(config)
+        n_compressed = overflow // block * block
         return n_sink, n_compressed, rest - n_compressed
 
     @classmethod

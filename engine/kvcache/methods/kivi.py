@@ -36,7 +36,15 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to
 from engine.kvcache.config import KVCacheConfig
-from engine.kvcache.methods.affine import AFFINE_BITS, AFFINE_GROUP_SIZES, SCALE_BITS
+from engine.kvcache.methods.affine import (
+    AFFINE_BITS,
+    AFFINE_GROUP_SIZES,
+    SCALE_BITS,
+    affine_dequantize,
+    affine_matmul,
+    affine_quantize,
+    check_channel_groups,
+)
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
@@ -57,28 +65,20 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
-        return self.config.group_size
+        return self.token_block_for(self.config)
 
     @classmethod
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
-        if head_dim % config.group_size:
-            raise ConfigError(
-                f"Method 'kivi' quantizes values in groups of {config.group_size} channels, but head_dim "
-                f"{head_dim} is not divisible by {config.group_size}; choose a group size that divides it."
-            )
+        check_channel_groups(cls.method_name, config, head_dim, what="values in ")
         if cls.step % config.group_size:
             raise ConfigError(
                 f"Method 'kivi' needs a group size dividing {cls.step}, not {config.group_size}."
             )
 
     @classmethod
-    def token_split(cls, config: KVCacheConfig, n_tokens: int) -> tuple[int, int, int]:
-        n_sink = min(config.sink_tokens, n_tokens)
-        rest = n_tokens - n_sink
-        overflow = max(0, rest - config.residual_window)
-        n_compressed = overflow // config.group_size * config.group_size
-        return n_sink, n_compressed, rest - n_compressed
+    def token_block_for(cls, config: KVCacheConfig) -> int:
+        return config.group_size
 
     @classmethod
     def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
@@ -92,61 +92,29 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         group_size = self.config.group_size
-        # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
-        key_codes, key_scales, key_biases = mx.quantize(
-            keys.swapaxes(-1, -2), group_size=group_size, bits=self.config.key_bits
-        )
-        value_codes, value_scales, value_biases = mx.quantize(
-            values, group_size=group_size, bits=self.config.value_bits
-        )
         return {
-            "value_codes": value_codes,
-            "value_scales": value_scales,
-            "value_biases": value_biases,
-            "key_codes": key_codes,
-            "key_scales": key_scales,
-            "key_biases": key_biases,
+            **affine_quantize(values, "value", group_size, self.config.value_bits),
+            # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
+            **affine_quantize(keys.swapaxes(-1, -2), "key", group_size, self.config.key_bits),
         }
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         group_size = self.config.group_size
-        keys_transposed = mx.dequantize(
-            store["key_codes"],
-            store["key_scales"],
-            store["key_biases"],
-            group_size=group_size,
-            bits=self.config.key_bits,
+        keys_transposed = affine_dequantize(
+            store, "key", group_size, self.config.key_bits, float32_scales=False
         )
-        values = mx.dequantize(
-            store["value_codes"],
-            store["value_scales"],
-            store["value_biases"],
-            group_size=group_size,
-            bits=self.config.value_bits,
-        )
+        values = affine_dequantize(store, "value", group_size, self.config.value_bits, float32_scales=False)
         return keys_transposed.swapaxes(-1, -2), values
 
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
         # queries [.., R, D] @ Kᵀ [.., D, T] with Kᵀ quantized along T: transpose=False.
-        return mx.quantized_matmul(
-            queries,
-            store["key_codes"],
-            store["key_scales"],
-            store["key_biases"],
-            transpose=False,
-            group_size=self.config.group_size,
-            bits=self.config.key_bits,
+        return affine_matmul(
+            queries, store, "key", self.config.group_size, self.config.key_bits, transpose=False
         )
 
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
-        return mx.quantized_matmul(
-            weights,
-            store["value_codes"],
-            store["value_scales"],
-            store["value_biases"],
-            transpose=False,
-            group_size=self.config.group_size,
-            bits=self.config.value_bits,
+        return affine_matmul(
+            weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
         )
 
     # ----- store layout: keys have the token axis last --------------------------------------------------

@@ -41,8 +41,6 @@ _TINY_SCALE = 1e-30
 class VeloxRVQKVCache(RotatedCodebookKVCache):
     supported_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
     default_bits: ClassVar[int] = 4
-    needs_calibration: ClassVar[bool] = False
-    attention_path: ClassVar[str] = "dequantize-per-step"
     description: ClassVar[str] = (
         "Residual scalar quantization: Gaussian Lloyd-Max codes of the rotated unit vector, then Laplacian "
         "Lloyd-Max codes of the RMS-scaled residual (2 = 1+1, 3 = 2+1, 4 = 2+2 bits); dequantized per step."

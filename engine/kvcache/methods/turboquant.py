@@ -19,8 +19,8 @@ centroid table in shared memory / registers, and accumulates q·c[code] (and p·
 is exactly affine in the two bit planes of the code, c = -a + (a+b)·hi + (a-b)·lo, so two 1-bit
 `quantized_matmul`s over bit-plane-packed codes would compute the scores; not done yet.)
 
-`RotatedCodebookKVCache` is the shared base of the codebook methods (rotation, norms, codebooks held as
-per-layer constants, the chunked attention); `rvq` builds on it.
+`RotatedCodebookKVCache` is the shared base of the codebook methods (the rotation of `_rotation.py`, norms,
+codebooks held as per-layer constants, the chunked attention); `rvq` builds on it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
-from engine.kvcache.methods.rotated import ROTATION_KINDS, rotation_arrays
+from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
-from engine.kvcache.quant.rotation import Rotation, make_rotation
 from engine.kvcache.registry import register_method
 
 # Tokens decoded at once by the dequantize-per-step attention: bounds the float32 temporaries to
@@ -62,7 +61,7 @@ def _token_slice(store: dict[str, mx.array], role: str, start: int, end: int) ->
     return {name: array[..., start:end, :] for name, array in store.items() if name.startswith(role)}
 
 
-class RotatedCodebookKVCache(SegmentedKVCache):
+class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
     """Rotated space, one norm per vector, Lloyd-Max codebooks; attention dequantizes chunk by chunk.
 
     A subclass declares how many codebook stages a `bits` setting uses (`stage_bits`), which codebooks
@@ -104,12 +103,7 @@ class RotatedCodebookKVCache(SegmentedKVCache):
 
     @classmethod
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
-        super().check_config(config, head_dim)
-        if config.rotation not in ROTATION_KINDS:
-            raise ConfigError(
-                f"Unknown rotation {config.rotation!r} for method {cls.method_name!r}; "
-                f"use {' or '.join(ROTATION_KINDS)}."
-            )
+        super().check_config(config, head_dim)  # the base's checks, then the rotation kind
         codebook = cls.unit_codebook_name(config)
         if codebook not in UNIT_CODEBOOKS:
             raise ConfigError(
@@ -132,71 +126,38 @@ class RotatedCodebookKVCache(SegmentedKVCache):
         return float(head_dim * config.key_bits + side + head_dim * config.value_bits + side)
 
     @classmethod
-    def _build_constants(
-        cls, config: KVCacheConfig, head_dim: int, layer_index: int
-    ) -> tuple[Rotation, dict[str, Codebook]]:
-        rotation = make_rotation(head_dim, config.seed + layer_index, config.rotation)
+    def _build_codebooks(cls, config: KVCacheConfig, head_dim: int) -> dict[str, Codebook]:
         codebooks: dict[str, Codebook] = {}
         # Keys and values get their own arrays even at equal bits, so that every held array is distinct
         # (nbytes counts each once, as the `_held_arrays` walk does).
         for role, bits in (("key", config.key_bits), ("value", config.value_bits)):
             for stage, stage_bits in enumerate(cls.stage_bits(bits)):
                 codebooks[f"{role}{stage}"] = cls.stage_codebook(config, stage, stage_bits, head_dim)
-        return rotation, codebooks
+        return codebooks
 
     @classmethod
     def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
-        rotation, codebooks = cls._build_constants(config, head_dim, 0)
-        arrays = rotation_arrays(rotation) + [a for pair in codebooks.values() for a in pair]
-        return sum(array.nbytes for array in arrays)
+        codebooks = cls._build_codebooks(config, head_dim)
+        codebook_bytes = sum(array.nbytes for pair in codebooks.values() for array in pair)
+        return super().constant_bytes(config, head_dim) + codebook_bytes
 
     def _reset_storage(self) -> None:
         super()._reset_storage()
-        self._rotation: Rotation | None = None
+        self._rotation = None
         self._codebooks: dict[str, Codebook] = {}
 
     def _setup(
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
     ) -> None:
-        if k_head_dim != v_head_dim:
-            raise ConfigError(
-                f"Method {self.method_name!r} needs keys and values of one head_dim, "
-                f"got {k_head_dim} and {v_head_dim}."
-            )
-        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
-        self._rotation, self._codebooks = self._build_constants(self.config, k_head_dim, self.layer_index)
-
-    @property
-    def rotation_note(self) -> str:
-        return self._rotation.note if self._rotation is not None else ""
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)  # also builds the rotation
+        self._codebooks = self._build_codebooks(self.config, k_head_dim)
 
     def _constant_arrays(self) -> list[mx.array]:
-        if self._rotation is None:
-            return []
-        return rotation_arrays(self._rotation) + [a for pair in self._codebooks.values() for a in pair]
+        # Rotation arrays, then the codebooks (both empty before `_setup`).
+        return super()._constant_arrays() + [a for pair in self._codebooks.values() for a in pair]
 
     def _role_bits(self, role: str) -> int:
         return self.config.key_bits if role == "key" else self.config.value_bits
-
-    # ----- rotation in, rotation out (as in `rotated`) ---------------------------------------------------
-
-    def _keys_in(self, keys: mx.array) -> mx.array:
-        return self._rotation.forward(keys)
-
-    def _values_in(self, values: mx.array) -> mx.array:
-        return self._rotation.forward(values)
-
-    def _queries_in(self, queries: mx.array) -> mx.array:
-        return self._rotation.forward(queries)
-
-    def _output_out(self, output: mx.array) -> mx.array:
-        return self._rotation.inverse(output)
-
-    def _keys_out(self, keys: mx.array) -> mx.array:
-        return self._rotation.inverse(keys)
-
-    def _values_out(self, values: mx.array) -> mx.array:
-        return self._rotation.inverse(values)
 
     # ----- encode / decode ---------------------------------------------------------------------------------
 
@@ -248,8 +209,6 @@ class RotatedCodebookKVCache(SegmentedKVCache):
 class VeloxTurboQuantKVCache(RotatedCodebookKVCache):
     supported_bits: ClassVar[tuple[int, ...]] = (1, 2, 3, 4)
     default_bits: ClassVar[int] = 4
-    needs_calibration: ClassVar[bool] = False
-    attention_path: ClassVar[str] = "dequantize-per-step"
     description: ClassVar[str] = (
         "TurboQuant-MSE: randomized Hadamard rotation, one 16-bit norm per vector and Lloyd-Max scalar "
         "codes of the rotated unit vector; dequantized chunk by chunk each step (no fused kernel yet)."
