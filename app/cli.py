@@ -54,6 +54,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list KV cache compression methods")
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
+    from engine.bench.cli import add_arguments as add_bench_arguments  # MLX-free at import
+
+    add_bench_arguments(sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed)"))
     return parser
 
 
@@ -215,6 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _methods()
         if args.command == "app":
             return _app(args)
+        if args.command == "bench":
+            from engine.bench.cli import run as run_bench
+
+            return run_bench(args)
     except VeloxError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -1,0 +1,19 @@
+"""Run `velox bench` from a checkout without installing: the harness lives in engine/bench/.
+
+    python benchmarks/bench.py quality|memory|speed|all|report [--quick] [--out DIR] [...]
+
+Same arguments as `velox bench` (see `python benchmarks/bench.py --help`). Results: benchmarks/results/*.json;
+report: BENCHMARKS.md and docs/figures/*.png.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.bench.cli import main  # noqa: E402  (MLX-free; main prepares the CPU fast path first)
+
+if __name__ == "__main__":
+    sys.exit(main())

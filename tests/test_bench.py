@@ -1,0 +1,293 @@
+"""The benchmark harness's own logic (engine/bench): chunked teacher forcing, statistics, effective bits
+from held bytes, spec parsing, needle prompts, result files and the report. No timings are asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.bench.common import (
+    SCHEMA,
+    effective_bits_from_bytes,
+    paired_difference,
+    pareto_front,
+    read_result,
+    summarize,
+    windows,
+    write_result,
+)
+from engine.bench.quality import combine_agreement, combine_needle, combine_perplexity, needle_prompt
+from engine.bench.specs import QUALITY_SPECS, SPEED_SPECS, parse_spec, parse_specs
+from engine.errors import ConfigError
+from engine.kvcache.evaluate import teacher_forced_token_stats
+from engine.memory import array_bytes
+from tests.test_kvcache_support import TINY_VOCAB, random_kv, tiny_llama
+
+
+def _tokens(n: int, seed: int = 3) -> list[int]:
+    return np.random.default_rng(seed).integers(0, TINY_VOCAB, n).tolist()
+
+
+# ----- teacher forcing through the cache ---------------------------------------------------------------------
+
+
+def test_chunk_size_1_and_64_agree_for_a_stateless_cache() -> None:
+    """fp32 storage holds exactly what the model made, so feeding one token at a time or 64 at a time must
+    give the same per-token NLL (to float rounding), while a 2-bit cache on the same tokens is far off."""
+    model = tiny_llama(head_dim=32, n_layers=2)
+    tokens = _tokens(150)
+    factories = {"fp32": parse_spec("fp32").factory(model), "affine:2:32": parse_spec("affine:2:32").factory(model)}
+    one = teacher_forced_token_stats(model, tokens, factories, "fp32", chunk_tokens=1)
+    many = teacher_forced_token_stats(model, tokens, factories, "fp32", chunk_tokens=64)
+    assert one["fp32"].nll.shape == many["fp32"].nll.shape == (149,)
+    gap = np.max(np.abs(one["fp32"].nll - many["fp32"].nll))
+    assert gap < 1e-4
+    assert np.max(np.abs(many["affine:2:32"].nll - many["fp32"].nll)) > 100 * max(gap, 1e-6)
+
+
+def test_token_stats_against_the_reference_and_scoring_window() -> None:
+    model = tiny_llama(head_dim=32, n_layers=2)
+    tokens = _tokens(130)
+    factories = {"fp16": parse_spec("fp16").factory(model), "rotated:3:32": parse_spec("rotated:3:32").factory(model)}
+    full = teacher_forced_token_stats(model, tokens, factories, "fp16", chunk_tokens=64)
+    tail = teacher_forced_token_stats(model, tokens, factories, "fp16", chunk_tokens=64, score_from=70)
+    reference = full["fp16"]
+    assert np.all(reference.kl == 0) and reference.top1_agrees.all()
+    assert (full["rotated:3:32"].kl > 0).any() and (full["rotated:3:32"].kl >= -1e-6).all()
+    # Scoring from token 70 keeps exactly the predictions of tokens 71.. (the same numbers: the caches saw
+    # the same chunks), and every cache held all 129 fed tokens.
+    assert tail["fp16"].nll.shape == (129 - 70,)
+    np.testing.assert_allclose(tail["rotated:3:32"].nll, full["rotated:3:32"].nll[70:], rtol=0, atol=1e-5)
+    fp16_bytes = 129 * 2 * 2 * 2 * 32 * 2  # tokens x (K, V) x layers x kv heads x head_dim x 2 bytes
+    assert reference.held_bytes == 256 * fp16_bytes // 129  # buffers grow in steps of 256 tokens
+    with pytest.raises(ValueError, match="reference"):
+        teacher_forced_token_stats(model, tokens, factories, "fp32")
+
+
+# ----- bits, bytes and statistics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "input_dtype", "bits"),
+    [
+        ("fp16", mx.float32, 16.0),
+        ("affine:4:64", mx.float32, 4.5),  # 4 bits + an fp16 scale and bias per 64 values
+        ("affine:3/2:32", mx.float32, 3.5),
+        ("mlx-q:4", mx.float32, 5.0),  # mlx-lm keeps scales and biases in the input dtype: fp32 here
+        ("mlx-q:4", mx.bfloat16, 4.5),
+        ("mlx-kv", mx.float32, 32.0),
+    ],
+)
+def test_effective_bits_from_the_bytes_actually_held(spec: str, input_dtype: mx.Dtype, bits: float) -> None:
+    keys, values = random_kv(n_kv_heads=2, n_tokens=512, head_dim=64, dtype=input_dtype)
+    caches = parse_spec(spec).factory_for_shape(n_layers=3, head_dim=64)()
+    for cache in caches:
+        cache.update_and_fetch(keys, values)
+    mx.eval([cache.state for cache in caches])
+    held = array_bytes(caches)
+    assert effective_bits_from_bytes(held, 512, n_layers=3, n_kv_heads=2, head_dim=64) == pytest.approx(bits)
+
+
+def test_paired_difference_uses_block_means() -> None:
+    reference = np.zeros(256)
+    values = np.repeat([0.1, 0.3, 0.1, 0.3], 64)  # four blocks with means 0.1, 0.3, 0.1, 0.3
+    result = paired_difference(values, reference, block=64)
+    assert result["mean"] == pytest.approx(0.2)
+    assert result["blocks"] == 4
+    assert result["se"] == pytest.approx(np.std([0.1, 0.3, 0.1, 0.3], ddof=1) / 2)
+    few = paired_difference(np.array([1.0, 2.0, 3.0]), np.zeros(3), block=64)
+    assert few["blocks"] == 0 and few["se"] == pytest.approx(np.std([1, 2, 3], ddof=1) / np.sqrt(3))
+
+
+def test_pareto_front() -> None:
+    points = [(16.0, 0.0), (8.5, 0.001), (5.0, 0.14), (4.5, 0.06), (4.0, 0.2), (3.3, 0.25), (3.5, 0.28), (4.5, 0.06)]
+    front = pareto_front(points)
+    assert front == [5, 4, 3, 1, 0]  # sorted by bits; (5.0, 0.14) and (3.5, 0.28) are dominated
+    assert pareto_front([]) == []
+
+
+def test_summarize() -> None:
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summarize([])["n"] == 0
+
+
+# ----- specs --------------------------------------------------------------------------------------------------
+
+
+def test_spec_parsing_and_labels() -> None:
+    spec = parse_spec("rotated:3/2:32+w128+s4")
+    assert (spec.family, spec.method, spec.key_bits, spec.value_bits, spec.group_size) == ("velox", "rotated", 3, 2, 32)
+    assert (spec.residual_window, spec.sink_tokens) == (128, 4)
+    assert spec.label == "rotated K3/V2 g32 w128 s4"
+    assert spec.options == {"prefill_attention": "auto"}
+    config = spec.velox_config().validate(64)
+    assert (config.key_bits, config.value_bits, config.residual_window, config.sink_tokens) == (3, 2, 128, 4)
+    assert parse_spec("fp16").options == {} and parse_spec("fp16").nominal_bits == 16
+    assert parse_spec("mlx-q:4").label == "mlx-lm Q4 g64"
+    assert parse_spec("vq:turboquant_rvq:2").label == "veloxquant turboquant_rvq 2-bit"
+    assert parse_spec("turboquant:4/3").nominal_bits == 3.5
+    for bad in ("rotated:x", "nosuchmethod:4", "rotated:4:64+q3"):
+        with pytest.raises(ConfigError):
+            parse_spec(bad)
+    with pytest.raises(ConfigError, match="twice"):
+        parse_specs("fp16,fp16")
+
+
+def test_default_spec_lists_are_valid_for_the_default_model() -> None:
+    for spec in parse_specs(sorted(set(QUALITY_SPECS + SPEED_SPECS))):
+        if spec.family == "velox":
+            spec.velox_config().validate(64)
+
+
+def test_level_specs_follow_the_level_table() -> None:
+    from engine.bench.cli import level_specs
+    from engine.recommend import LEVELS
+
+    specs = level_specs()
+    compressed = [level for level in LEVELS if level.method not in ("fp16", "fp32")]
+    assert len(specs) == len(compressed)
+    for text, level in zip(specs, compressed, strict=True):
+        spec = parse_spec(text)
+        assert (spec.method, spec.key_bits, spec.value_bits) == (level.method, level.key_bits, level.value_bits)
+
+
+# ----- quality bookkeeping ------------------------------------------------------------------------------------
+
+
+class _DigitTokenizer:
+    """Characters as token ids (enough for building needle prompts)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+
+def test_needle_prompt_places_the_needle_and_keeps_the_length() -> None:
+    tokenizer = _DigitTokenizer()
+    haystack = tokenizer.encode("Some words here. " * 200)
+    for depth in (0.0, 0.5, 1.0):
+        prompt, answer, facts = needle_prompt(tokenizer, haystack, 1500, depth, seed=7)
+        text = "".join(chr(t) for t in prompt)
+        assert len(prompt) == 1500
+        needle = f"The special magic number for {facts['key']} is {facts['number']}."
+        assert text.count(needle) == 1
+        assert text.endswith(f"Answer: The special magic number for {facts['key']} is")
+        assert "".join(chr(t) for t in answer) == f" {facts['number']}"
+        position = text.index(needle) - 1  # the needle starts with a newline
+        assert facts["needle_token"] == position
+        n_hay = len(text) - len(needle) - 2 - (len(text) - text.index("\n\nQuestion:"))
+        if depth == 0.0:
+            assert position == 0
+        elif depth == 0.5:  # just after the first sentence end at or past the middle
+            assert text[position - 1] == "." and n_hay // 2 <= position <= n_hay // 2 + 64
+        else:
+            assert position == n_hay and text[position + len(needle) + 2 :].startswith("\n\nQuestion:")
+    same_seed = [needle_prompt(tokenizer, haystack, n, 0.5, seed=7)[2]["number"] for n in (800, 1200)]
+    assert same_seed[0] == same_seed[1]
+
+
+def test_combine_needle_and_agreement() -> None:
+    specs = parse_specs("fp16,rotated:4:64")
+    trials = [
+        {"length": 1024, "depth": d, "seed": 0, "text": "t",
+         "results": {"fp16": {"answer_logprob": -1.0, "exact": True},
+                     "rotated:4:64": {"answer_logprob": lp, "exact": ok}}}
+        for d, lp, ok in ((0.0, -1.5, True), (1.0, -3.0, False))
+    ]
+    summary = {row["spec"]: row for row in combine_needle(trials, specs)["summary"]}
+    assert summary["fp16"]["recall"] == 1.0 and summary["rotated:4:64"]["recall"] == 0.5
+    assert summary["rotated:4:64"]["delta_logprob"] == pytest.approx(-1.25)
+    assert summary["rotated:4:64"]["by_depth"]["1"]["recall"] == 0.0
+
+    generations = {"fp16": [[1, 2, 3, 4], [5, 6, 7, 8]], "rotated:4:64": [[1, 2, 9, 4], [5, 6, 7, 8]]}
+    rows = {row["spec"]: row for row in combine_agreement(generations, specs)}
+    assert rows["rotated:4:64"]["match_rate"] == pytest.approx((2 / 4 + 1) / 2)
+    assert rows["rotated:4:64"]["mean_first_divergence"] == pytest.approx(3.0)
+    assert rows["rotated:4:64"]["identical"] == 0.5
+    assert rows["rotated:4:64"]["positionwise_agreement"] == pytest.approx((3 / 4 + 1) / 2)
+
+
+def test_combine_perplexity_pools_windows() -> None:
+    specs = parse_specs("fp16,affine:4:64")
+    rng = np.random.default_rng(0)
+    window_list = []
+    for _ in range(2):
+        base = rng.normal(3.0, 1.0, 128)
+        window_list.append({
+            "fp16": {"nll": base.tolist(), "kl": [0.0] * 128, "top1": [1] * 128, "seconds": 1.0,
+                     "held_bytes": 1000 * 2 * 16 // 8, "tokens": 1000},
+            "affine:4:64": {"nll": (base + 0.05).tolist(), "kl": [0.01] * 128, "top1": [1, 0] * 64, "seconds": 1.0,
+                            "held_bytes": 1000 * 2 * 4.5 // 8, "tokens": 1000},
+        })
+    rows = {row["spec"]: row for row in combine_perplexity(window_list, specs, n_layers=1, n_kv_heads=1, head_dim=1)}
+    row = rows["affine:4:64"]
+    assert row["scored_tokens"] == 256
+    assert row["delta_nll"] == pytest.approx(0.05) and row["delta_nll_se"] == pytest.approx(0.0, abs=1e-12)
+    assert row["ppl_ratio"] == pytest.approx(np.exp(0.05))
+    assert row["top1_agreement"] == 0.5 and row["mean_kl"] == pytest.approx(0.01)
+    assert row["effective_bits"] == pytest.approx(4.5)  # bytes x 8 / (tokens x K,V x layers x heads x dim)
+
+
+def test_windows_are_evenly_spaced_and_full_length() -> None:
+    streams = {"a": list(range(10_000)), "b": list(range(500))}
+    chosen = windows(streams, 1000, per_text=3)
+    assert [name for name, _, _ in chosen] == ["a", "a", "a"]  # b is too short for a window
+    assert all(len(tokens) == 1000 for _, _, tokens in chosen)
+    assert chosen[0][1] == 500 and chosen[-1][1] == 9000
+
+
+# ----- result files and the report ----------------------------------------------------------------------------
+
+
+def test_result_files_and_report(tmp_path: Path) -> None:
+    quality = {
+        "machine": {"platform": "test"}, "model": {"name": "tiny"},
+        "perplexity": {
+            "settings": {"window": 256, "score_from": 128, "chunk": 64, "windows": [{"text": "t", "start": 0, "tokens": 256}],
+                         "se": "batch means"},
+            "rows": [
+                {"spec": "fp16", "label": "fp16", "family": "velox", "method": "fp16", "effective_bits": 16.0,
+                 "delta_nll": 0.0, "delta_nll_se": 0.0, "ppl_ratio": 1.0, "mean_kl": 0.0, "top1_agreement": 1.0,
+                 "scored_tokens": 127},
+                {"spec": "affine:4:64", "label": "affine 4 g64", "family": "velox", "method": "affine",
+                 "effective_bits": 4.5, "delta_nll": 0.07, "delta_nll_se": 0.01, "ppl_ratio": 1.0725,
+                 "mean_kl": 0.06, "top1_agreement": 0.86, "scored_tokens": 127},
+            ],
+        },
+    }
+    path = write_result(tmp_path, "quality", True, quality)
+    assert path.name == "quality-quick.json"
+    record = json.loads(path.read_text())
+    assert record["schema"] == SCHEMA and record["kind"] == "quality" and record["quick"] is True
+    assert record["created"].endswith("Z")
+    write_result(tmp_path, "quality", False, {**quality, "model": {"name": "full"}})
+    assert read_result(tmp_path, "quality")["model"]["name"] == "full"  # full runs win over quick ones
+    assert read_result(tmp_path, "quality", prefer_full=False)["quick"] is True
+    assert read_result(tmp_path, "speed") is None
+
+    from engine.bench.report import write_report
+
+    markdown = tmp_path / "BENCHMARKS.md"
+    written = write_report(tmp_path, markdown, tmp_path / "figures")
+    text = markdown.read_text()
+    assert written[0] == markdown
+    assert "| **affine 4 g64** ★ | 4.50 |" in text
+    assert "+0.0700 ± 0.0100" in text and "+7.25 %" in text
+    assert "Not run yet (`velox bench speed`)." in text
+
+
+def test_same_cache_and_with_extra() -> None:
+    from engine.bench.specs import same_cache, with_extra
+
+    assert same_cache(parse_spec("turboquant:3"), parse_spec("turboquant:3/3:64"))
+    assert same_cache(parse_spec("rotated:4:64"), parse_spec("rotated:4/4:64"))
+    assert not same_cache(parse_spec("rotated:4:64"), parse_spec("rotated:4:32"))
+    assert not same_cache(parse_spec("mlx-q:4"), parse_spec("affine:4:64"))
+    merged = with_extra(parse_specs("fp16,rotated:4:64"), parse_specs("rotated:4/4:64,turboquant:2"))
+    assert [spec.text for spec in merged] == ["fp16", "rotated:4:64", "turboquant:2"]
