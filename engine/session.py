@@ -478,24 +478,14 @@ class ChatSession:
         yield stats
 
 
-def _dense_chunks(layer: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
-    """(keys, values) of every token a layer cache holds, `chunk_tokens` at a time, decoded."""
-    if hasattr(layer, "iter_dense"):
-        yield from layer.iter_dense(chunk_tokens)
-        return
-    keys, values = layer.keys, layer.values  # mlx-lm KVCache: buffers with room beyond `offset`
-    if keys is None:
-        return
-    for start in range(0, layer.offset, chunk_tokens):
-        end = min(start + chunk_tokens, layer.offset)
-        yield keys[..., start:end, :], values[..., start:end, :]
-
-
 def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:
+    """Move one layer's tokens into `new` (a Velox cache, or mlx-lm's KVCache), a chunk at a time."""
+    from engine.kvcache.builder import dense_chunks
+
     if hasattr(new, "load_dense"):
-        new.load_dense(_dense_chunks(old, chunk_tokens))
+        new.load_dense(dense_chunks(old, chunk_tokens))
         return
-    for keys, values in _dense_chunks(old, chunk_tokens):
+    for keys, values in dense_chunks(old, chunk_tokens):
         new.update_and_fetch(keys, values)
         mx.eval(new.state)
 

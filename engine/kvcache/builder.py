@@ -101,7 +101,7 @@ class KVCacheBuilder:
         return self.shape
 
 
-def _dense_chunks(cache: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
+def dense_chunks(cache: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
     """(keys, values) chunks of any supported cache: a Velox cache, or mlx-lm's KVCache."""
     if hasattr(cache, "iter_dense"):
         yield from cache.iter_dense(chunk_tokens=chunk_tokens)
@@ -127,6 +127,6 @@ def reencode_caches(
     new_caches = []
     for layer_index, old in enumerate(caches):
         new = cache_class(config, layer_index=layer_index)
-        new.load_dense(_dense_chunks(old, chunk_tokens))
+        new.load_dense(dense_chunks(old, chunk_tokens))
         new_caches.append(new)
     return new_caches
