@@ -59,7 +59,7 @@ class Plan:
     # needle
     needle_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
     needle_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    needle_seeds: tuple[int, ...] = (0, 1, 2)
+    needle_seeds: tuple[int, ...] = (0, 1)
     # agreement
     agreement_prompts: int = 16
     agreement_prompt_tokens: int = 512
