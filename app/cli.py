@@ -64,8 +64,14 @@ def _cache_config(args: argparse.Namespace) -> Any:
     if args.kv is None and args.kv_bits is None:
         return None
     from engine.kvcache import KVCacheConfig
+    from engine.recommend import LEVELS
 
-    method = args.kv or "rotated"
+    # Without --kv, the method is the one the app's compression level of that many bits uses (the level
+    # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
+    levels = {level.key: level for level in LEVELS}
+    if args.kv is None and str(args.kv_bits) in levels:
+        return levels[str(args.kv_bits)].to_config()
+    method = args.kv or levels["4"].method
     if args.kv_bits is None:
         return KVCacheConfig(method=method)
     return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)

@@ -11,6 +11,7 @@ import pytest
 from app.controller import ChatController, reply_caption
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore
+from engine.recommend import level_by_key
 
 WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
 
@@ -154,7 +155,7 @@ def test_settings_are_remembered_and_applied_after_a_restart(make_controller, qt
     session = restarted.engine.worker.session
     assert session.compression is not None and session.compression.key_bits == 8
     assert session.settings.max_tokens == 12
-    assert restarted.compression_label() == "8-bit (affine)"
+    assert restarted.compression_label() == f"8-bit ({level_by_key('8').method})"
 
 
 def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbot):

@@ -291,3 +291,45 @@ def test_same_cache_and_with_extra() -> None:
     assert not same_cache(parse_spec("mlx-q:4"), parse_spec("affine:4:64"))
     merged = with_extra(parse_specs("fp16,rotated:4:64"), parse_specs("rotated:4/4:64,turboquant:2"))
     assert [spec.text for spec in merged] == ["fp16", "rotated:4:64", "turboquant:2"]
+
+
+# ----- the level table follows the committed sweep ----------------------------------------------------------------
+
+
+def _row(spec: str, kl: float) -> dict:
+    parsed = parse_spec(spec)
+    return {"spec": spec, "family": parsed.family, "method": parsed.method, "mean_kl": kl}
+
+
+def test_level_rule_budgets_eligibility_and_ties() -> None:
+    from engine.bench.levels import budget_bits, select_levels
+
+    assert budget_bits("rotated:4:64") == 4.5 and budget_bits("turboquant:3") == 3.125
+    rows = [
+        _row("fp16", 0.0),
+        _row("rotated:8:64", 0.0002), _row("affine:8:64", 0.0004),  # a tie: the one without a rotation wins
+        _row("kivi:4:32", 0.03),  # 5.0 bits: only fits the 8-bit budget
+        _row("rotated:4:64", 0.06), _row("affine:4:64", 0.11),
+        _row("turboquant:3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
+        _row("rotated:3/2:32", 0.29), _row("kivi:3:64", 0.2),
+        _row("mlx-q:2", 0.0),  # not a Velox method
+    ]
+    chosen = {key: value["row"]["spec"] for key, value in select_levels(rows).items()}
+    assert chosen == {"8": "affine:8:64", "4": "rotated:4:64", "3": "kivi:3:64"}  # nothing fused fits 2.5 bits
+
+
+def test_level_table_follows_the_committed_quality_sweep() -> None:
+    """engine.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
+    from engine.bench.common import ROOT
+    from engine.bench.levels import level_config, select_levels
+    from engine.recommend import level_by_key
+
+    committed = ROOT / "benchmarks" / "results" / "quality.json"
+    rows = json.loads(committed.read_text())["perplexity"]["rows"]
+    chosen = select_levels(rows)
+    assert set(chosen) == {"8", "4", "3", "2"}
+    for key, choice in chosen.items():
+        level = level_by_key(key)
+        assert (level.method, level.key_bits, level.value_bits, level.group_size, level.residual_window) == (
+            level_config(choice["row"])
+        ), key

@@ -63,8 +63,8 @@ RECOMMENDATION_TABLE = [
     (LLAMA_8B, 32768, 8 * GiB, 128, "4"),  # 8-bit (2.3 GB) does not fit, 4-bit (1.2 GB) does
     (LLAMA_8B, 131072, 8 * GiB, 128, None),
     (LLAMA_8B, 131072, 16 * GiB, 128, "4"),  # 8-bit would need 9.1 GB of cache
-    (LLAMA_8B, 131072, int(14.4 * GB), 128, "3"),  # room for 4.3 GB (3-bit), not 4.8 GB (4-bit)
-    (LLAMA_8B, 131072, int(13.8 * GB), 128, "2"),  # room for 3.8 GB (2-bit) only
+    (LLAMA_8B, 131072, int(14.4 * GB), 128, "3"),  # room for 4.3 GB: 3-bit (3.8 GB), not 4-bit (4.8 GB)
+    (LLAMA_8B, 131072, int(13.0 * GB), 128, "2"),  # room for 3.2 GB: 2-bit (2.7 GB) only
     # The default model.
     (SMOLLM2, 2048, 24 * GiB, 512, "16"),
     (SMOLLM2, 8192, 24 * GiB, 512, "16"),
@@ -101,7 +101,7 @@ def test_recommendation_table(
 
 
 def test_two_bit_reason_warns_about_quality() -> None:
-    recommendation = recommend(LLAMA_8B, 131072, int(13.8 * GB), prefill_chunk=128)
+    recommendation = recommend(LLAMA_8B, 131072, int(13.0 * GB), prefill_chunk=128)
     assert recommendation.level is not None and recommendation.level.key == "2"
     assert "quality is poor" in recommendation.reason
 
@@ -144,7 +144,7 @@ def test_registry_bits_match_the_documented_fallback_formula() -> None:
     for level in LEVELS:
         assert level.effective_bits == pytest.approx(level._fallback_bits(128)), level.key
     assert level_by_key("4").effective_bits == 4.5
-    assert level_by_key("2").effective_bits == 3.5  # 3-bit keys, 2-bit values, group 32
+    assert level_by_key("2").effective_bits == 2.5  # 2-bit codes + an fp16 scale and bias per 64 values
 
 
 @pytest.mark.parametrize("key", LEVEL_KEYS)

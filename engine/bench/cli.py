@@ -222,7 +222,7 @@ class Context:
 
 def run_quality(ctx: Context) -> dict[str, Any]:
     from engine.bench.quality import combine_agreement, combine_needle, combine_perplexity
-    from engine.bench.specs import parse_specs
+    from engine.bench.specs import parse_specs, with_extra
     from engine.bench.worker import run_tasks
 
     plan = ctx.plan
@@ -237,16 +237,26 @@ def run_quality(ctx: Context) -> dict[str, Any]:
         specs = parse_specs(ctx.args.specs or plan.quality_specs)
         chosen = windows(ctx.streams, plan.window, plan.windows_per_text)
         score_from = plan.window // 2
+        settings = {"window": plan.window, "score_from": score_from, "chunk": plan.chunk,
+                    "windows": [{"text": n, "start": s, "tokens": len(t)} for n, s, t in chosen],
+                    "se": "batch means over blocks of 64 scored tokens, paired with fp16 on the same tokens"}
+        previous_ppl = payload.get("perplexity")
+        if ctx.args.add:
+            # Add (or replace) rows of an earlier run on exactly the same windows; fp16 is rerun as the
+            # reference (deterministic, so it reproduces the earlier reference).
+            if not previous_ppl or previous_ppl["settings"] != settings:
+                raise BenchmarkError("--add needs an earlier perplexity run with the same windows and settings.")
+            specs = with_extra(parse_specs("fp16"), specs)
         log(f"quality: {len(specs)} caches x {len(chosen)} windows of {plan.window} tokens "
             f"(second half scored, chunks of {plan.chunk})")
         common = {"model": ctx.model_path, "chunk": plan.chunk, "score_from": score_from}
         tasks = []
         for index, (_, _, tokens) in enumerate(chosen):
             args = {**common, "specs": [s.text for s in specs], "tokens": tokens}
-            if index == 0:
+            if index == 0 and not ctx.args.add:
                 args |= {"check_specs": list(plan.check_specs), "check_tokens": tokens[: plan.check_tokens]}
             tasks.append(("perplexity", args, None))
-        peer_python, peer_note = ctx.peer_python()
+        peer_python, peer_note = (None, "") if ctx.args.add else ctx.peer_python()
         peer_specs = parse_specs(plan.veloxquant_specs) if peer_python else []
         for _, _, tokens in chosen if peer_python else []:
             tasks.append(("perplexity", {**common, "specs": ["fp16", *plan.veloxquant_specs], "tokens": tokens},
@@ -269,14 +279,18 @@ def run_quality(ctx: Context) -> dict[str, Any]:
             peer_rows = [r for r in peer_rows if r["spec"] != "fp16"]
         elif peer_python:
             peer_note += f"; the peer's quality run failed: {failures[-1] if failures else 'unknown'}"
-        payload["perplexity"] = {
-            "settings": {"window": plan.window, "score_from": score_from, "chunk": plan.chunk,
-                         "windows": [{"text": n, "start": s, "tokens": len(t)} for n, s, t in chosen],
-                         "se": "batch means over blocks of 64 scored tokens, paired with fp16 on the same tokens"},
-            "rows": rows + peer_rows,
-            "peer_note": peer_note,
-        }
-        payload["chunking_check"] = results[0].get("chunking_check", {})
+        if ctx.args.add:
+            assert previous_ppl is not None
+            old_fp16 = next(r for r in previous_ppl["rows"] if r["spec"] == "fp16")["mean_nll"]
+            new_fp16 = next(r for r in rows if r["spec"] == "fp16")["mean_nll"]
+            if abs(old_fp16 - new_fp16) > 1e-6:
+                raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
+            added = {r["spec"] for r in rows}
+            rows = [r for r in previous_ppl["rows"] if r["spec"] not in added] + [r for r in rows if r["spec"] != "fp16"]
+            payload["perplexity"] = {**previous_ppl, "rows": rows}
+        else:
+            payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
+            payload["chunking_check"] = results[0].get("chunking_check", {})
 
     if "needle" in parts or "agreement" in parts:
         followed = ["fp16", *level_specs(), "mlx-q:4"]
@@ -452,6 +466,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--specs", default=None, help="comma-separated cache specs instead of the defaults")
     parser.add_argument("--parts", default=None, help=f"quality parts to run ({','.join(QUALITY_PARTS)})")
     parser.add_argument("--no-peers", action="store_true", help="skip the veloxquant-mlx peer (no venv is made)")
+    parser.add_argument("--add", action="store_true",
+                        help="quality: add the --specs rows to an earlier perplexity run on the same windows")
     parser.add_argument("--markdown", default=None, help="report: where to write BENCHMARKS.md")
     parser.add_argument("--figures", default=None, help="report: folder for the PNG figures")
 
