@@ -97,6 +97,14 @@ CacheFactory = Callable[[Any], list[Any]]
 
 
 def _default_cache_factory(model: Any) -> list[Any]:
+    """Uncompressed: mlx-lm's own cache, or on the Linux CPU fast path the float32 Velox cache, which
+    attends with `engine.cpu_attention` (MLX has no fused CPU attention). Same bytes either way."""
+    from engine import cpu_attention
+
+    if cpu_attention.active() and all(type(c).__name__ == "KVCache" for c in make_prompt_cache(model)):
+        from engine.kvcache import KVCacheBuilder, KVCacheConfig
+
+        return KVCacheBuilder(KVCacheConfig("fp32")).for_model(model).build()
     return make_prompt_cache(model)
 
 

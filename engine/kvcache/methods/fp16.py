@@ -4,7 +4,10 @@
 path). On the CPU backend models compute in float32, so each step this cache hands mlx-lm its history
 converted to float32 (one cast of the history per layer and step, like a dequantize); memory is still
 16 bits per value. "fp32" stores float32 exactly and needs no conversion on CPU, at twice the memory.
-Both use mlx-lm's own attention (mx.fast.scaled_dot_product_attention); no hook involved.
+Both use mlx-lm's own attention (mx.fast.scaled_dot_product_attention), except on the Linux CPU fast path
+(`engine.cpu_attention.active()`), where MLX has no fused attention kernel: there they attend over their
+own buffers with `engine.cpu_attention.grouped_attention` through the attention hook, like the compressed
+caches (`bits` then exists, which is what routes mlx-lm to the hook).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from engine import cpu_attention
 from engine.errors import ConfigError
+from engine.kvcache.attention import AttendsOverOwnStorage, install_attention_dispatch
 from engine.kvcache.base import VeloxKVCache, _grow_to, sixteen_bit_dtype
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import register_method
 
 
-class DenseKVCache(VeloxKVCache):
+class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
     """Keys and values in float buffers growing by `step` tokens, as mlx-lm's KVCache does."""
 
     attention_path: ClassVar[str] = "dense"
@@ -29,6 +34,37 @@ class DenseKVCache(VeloxKVCache):
     def __init__(self, config: KVCacheConfig, layer_index: int = 0) -> None:
         super().__init__(config, layer_index)
         self._reset_storage()
+
+    @property
+    def _attends_itself(self) -> bool:
+        """Decided once per cache (also for caches mlx-lm rebuilds from a saved state without __init__)."""
+        decided = self.__dict__.get("_attends_itself_decided")
+        if decided is None:
+            decided = self.__dict__["_attends_itself_decided"] = cpu_attention.active()
+            if decided:
+                install_attention_dispatch()
+        return decided
+
+    # mlx-lm sends attention to the hook exactly for caches that have `bits` (and passes `group_size`), so
+    # both exist only while this cache attends over its own storage.
+    @property
+    def bits(self) -> int:
+        if not self._attends_itself:
+            raise AttributeError("bits")
+        return self.storage_bits
+
+    @property
+    def group_size(self) -> int:
+        if not self._attends_itself:
+            raise AttributeError("group_size")
+        return self.config.group_size
+
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: mx.array | str | None
+    ) -> mx.array:
+        cached_keys = self._keys[..., : self.offset, :].astype(queries.dtype)
+        cached_values = self._values[..., : self.offset, :].astype(queries.dtype)
+        return cpu_attention.grouped_attention(queries, cached_keys, cached_values, scale, mask)
 
     def _reset_storage(self) -> None:
         self._keys: mx.array | None = None
@@ -64,6 +100,8 @@ class DenseKVCache(VeloxKVCache):
         self._keys[..., previous:needed, :] = keys
         self._values[..., previous:needed, :] = values
         self.offset = needed
+        if self._attends_itself:
+            return self, self
         cached_keys = self._keys[..., :needed, :]
         cached_values = self._values[..., :needed, :]
         # mlx-lm attends in the queries' dtype; convert only when storage differs (fp16 on CPU).
