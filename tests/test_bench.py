@@ -282,6 +282,190 @@ def test_result_files_and_report(tmp_path: Path) -> None:
     assert "Not run yet (`velox bench speed`)." in text
 
 
+# ----- the report on the committed results, and README's quoted numbers -------------------------------------------
+
+COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _check_tables(text: str) -> int:
+    """Every markdown table has the same number of cells in each line (a stray '|' breaks a table)."""
+    tables = 0
+    block: list[str] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append(line)
+            continue
+        if block:
+            widths = {row.count("|") for row in block}
+            assert len(widths) == 1, f"ragged table starting {block[0]!r}"
+            assert set(block[1].replace("|", "")) == {"-"}, f"no header rule under {block[0]!r}"
+            tables += 1
+            block = []
+    return tables
+
+
+def _write_committed_report(tmp_path: Path) -> str:
+    from engine.bench.report import write_report
+
+    markdown = tmp_path / "BENCHMARKS.md"
+    write_report(COMMITTED, markdown, tmp_path / "figures")
+    return markdown.read_text()
+
+
+def test_report_on_the_committed_results_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    text = _write_committed_report(tmp_path)
+    assert not (tmp_path / "figures").exists()
+    assert "Figure not drawn: matplotlib is not installed" in text
+    assert "![" not in text
+    assert _check_tables(text) >= 10
+    # Each section names its file; the needle and agreement parts come from the quick run until a full one exists.
+    for name in ("quality.json", "memory.json", "gpu.json", "quick/quality-quick.json", "quick/speed-quick.json"):
+        assert name in text, name
+    assert "**quick run**" in text and "Not run yet" not in text
+    assert "## How to reproduce" in text and "benchmarks/bench.py report" in text
+    # Peers appear with the bits they really hold, side by side with Velox and mlx-lm.
+    assert "| veloxquant kivi 4-bit | 32.01 |" in text
+    assert "veloxquant-mlx (peer)" in text and "## Peers side by side" in text
+
+
+def test_report_on_the_committed_results_with_figures(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from engine.bench.report import FIGURE_NAMES
+
+    text = _write_committed_report(tmp_path)
+    for name in FIGURE_NAMES:
+        figure = tmp_path / "figures" / name
+        assert figure.is_file() and figure.stat().st_size > 20_000, name
+        assert f"](figures/{name})" in text
+    assert "Figure not drawn" not in text
+
+
+def test_report_prefers_full_runs_and_says_which_file(tmp_path: Path) -> None:
+    from engine.bench.report import load_results, write_report
+
+    committed = json.loads((COMMITTED / "quality.json").read_text())
+    quick = json.loads((COMMITTED / "quick" / "quality-quick.json").read_text())
+    (tmp_path / "quick").mkdir()
+    (tmp_path / "quality.json").write_text(json.dumps({k: v for k, v in committed.items() if k != "needle"}))
+    (tmp_path / "quick" / "quality-quick.json").write_text(json.dumps(quick))
+    speed_quick = json.loads((COMMITTED / "quick" / "speed-quick.json").read_text())
+    (tmp_path / "quick" / "speed-quick.json").write_text(json.dumps(speed_quick))
+    (tmp_path / "quick" / "speed-other.json").write_text(json.dumps(speed_quick))
+    results = load_results(tmp_path)
+    assert results.best("quality", "perplexity").path.name == "quality.json"
+    assert results.best("quality", "needle").path.name == "quality-quick.json"  # the full run has no needle yet
+    assert [s.path.name for s in results.preferred("speed")] == ["speed-quick.json", "speed-other.json"]
+    # A full speed run, once written, replaces every quick one.
+    (tmp_path / "speed.json").write_text(json.dumps({**speed_quick, "quick": False}))
+    results = load_results(tmp_path)
+    assert [s.path.name for s in results.preferred("speed")] == ["speed.json"]
+    markdown = tmp_path / "BENCHMARKS.md"
+    write_report(tmp_path, markdown, tmp_path / "figures")
+    text = markdown.read_text()
+    speed_part = text[text.index("## Speed (CPU)"):text.index("## Speed (GPU")]
+    assert "`speed.json` (full run" in speed_part and "speed-quick.json" not in speed_part
+    assert "`quick/quality-quick.json` (**quick run**" in text
+    assert "Not run yet (`python -m engine.bench.gpu`" in text
+
+
+def _readme_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## Benchmarks\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_readme_benchmark_block_is_what_the_report_generates() -> None:
+    from engine.bench.report import load_results, readme_block, readme_section
+
+    block = readme_block(README.read_text())
+    assert block, "README.md lost its benchmark markers"
+    assert block == "\n".join(readme_section(load_results(COMMITTED))), (
+        "README's benchmark block is stale: run `python benchmarks/bench.py report`")
+
+
+def test_readme_quoted_numbers_match_the_committed_json() -> None:
+    """Parse every number README's benchmark section quotes and check it against the committed JSON through
+    report.py's own look-ups; a number no check accounts for fails the test."""
+    import re
+
+    from engine.bench import report
+    from engine.recommend import level_by_key
+
+    results = report.load_results(COMMITTED)
+    quality = results.best("quality", "perplexity")
+    rows = report.quality_rows(quality)
+    section = _readme_section()
+    checked: list[str] = []
+
+    def close(text: str, value: float) -> bool:  # the printed digits are the value rounded
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        return abs(float(text.replace(",", "")) - value) <= 0.51 * 10 ** -decimals
+
+    intro = re.search(r"fed (\d+) windows of ([\d,]+) prose tokens and scored on their second halves \(([\d,]+) tokens\)",
+                      section)
+    assert intro, "the README no longer says what was measured"
+    settings = quality.data["perplexity"]["settings"]
+    assert int(intro[1]) == len(settings["windows"]) and close(intro[2], settings["window"])
+    assert close(intro[3], rows[0]["scored_tokens"])
+    checked.append(intro[0])
+
+    row_pattern = re.compile(
+        r"^\| (\d+)-bit \| ([^|]+?) \| (\d+\.\d+) \| ([+-]\d+\.\d+) ± (\d+\.\d+) \| ([^|]+?) \| (\d+\.\d+) \| "
+        r"([+-]\d+\.\d+) ± (\d+\.\d+) \|$", re.MULTILINE)
+    levels = {entry["level"].key: entry for entry in report.app_levels(rows)}
+    found = row_pattern.findall(section)
+    assert {key for key, *_ in found} == set(levels), "every compressed app level must be quoted"
+    for key, label, bits, delta, se, mlx_label, mlx_bits, mlx_delta, mlx_se in found:
+        row = report.row_by_label(rows, label)
+        mlx = report.row_by_label(rows, mlx_label)
+        assert row is not None and mlx is not None, (label, mlx_label)
+        assert report.level_matches(row["spec"], level_by_key(key)), f"{label} is not the app's {key}-bit level"
+        assert mlx["family"] == "mlx-lm" and mlx["effective_bits"] >= row["effective_bits"]
+        assert levels[key]["mlx"]["spec"] == mlx["spec"]  # the cheapest mlx-lm cache with at least as many bits
+        for text, value in ((bits, row["effective_bits"]), (delta, row["delta_nll"]), (se, row["delta_nll_se"]),
+                            (mlx_bits, mlx["effective_bits"]), (mlx_delta, mlx["delta_nll"]),
+                            (mlx_se, mlx["delta_nll_se"])):
+            assert close(text, value), (label, text, value)
+    checked += [m[0] for m in row_pattern.finditer(section)]
+
+    scales = re.search(
+        r"so (mlx-lm Q\d+ g\d+) holds (\d+\.\d+) bits here \((\d+\.\d+) with the 16-bit keys/values of the ([\w.-]+) "
+        r"shape\)\. Velox's (.+?) is the same quantizer with fp16 scales: (\d+\.\d+) bits, Δ NLL ([+-]\d+\.\d+) ± "
+        r"(\d+\.\d+)\.", section)
+    assert scales
+    mlx, same = report.row_by_label(rows, scales[1]), report.row_by_label(rows, scales[5])
+    model, bf16_bits = report.large_shape_bits(results.best("memory"), mlx["spec"])
+    assert scales[4] == model and close(scales[3], bf16_bits) and close(scales[2], mlx["effective_bits"])
+    assert same["method"] == "affine" and same["spec"].split(":")[1] == mlx["spec"].split(":")[1]
+    assert close(scales[6], same["effective_bits"]) and close(scales[7], same["delta_nll"])
+    assert close(scales[8], same["delta_nll_se"])
+    checked.append(scales[0])
+
+    gpu = re.search(r"over a ([\d,]+)-token cache in (\d+) Llama-3\.1-8B-shaped layers takes ([\d,.]+) ms with fp16, "
+                    r"([\d,.]+) ms with (.+?) and ([\d,.]+) ms with (.+?) \(", section)
+    assert gpu
+    context = int(gpu[1].replace(",", ""))
+    _, at_context = report.gpu_rows_at(results.best("gpu"), context)
+    by_label = {r["label"]: r for r in at_context}
+    assert int(gpu[2]) == results.best("gpu").data["shape"]["layers"]
+    for text, label in ((gpu[3], "fp16"), (gpu[4], gpu[5]), (gpu[6], gpu[7])):
+        assert close(text, by_label[label]["ms_median"]), (label, text)
+    assert by_label[gpu[5]]["ms_median"] == min(r["ms_median"] for r in at_context if r["spec"] != "fp16"
+                                                and not r["spec"].startswith("mlx-"))
+    checked.append(gpu[0])
+
+    rest = section
+    for text in checked:
+        rest = rest.replace(text, " ")
+    standalone = re.findall(r"(?<![\w.,+-])[+-]?\d[\d,]*(?:\.\d+)?(?![\w-])", rest)
+    assert set(standalone) <= {"8"}, f"numbers in README's benchmark section that no check covers: {standalone}"
+
+
 def test_same_cache_and_with_extra() -> None:
     from engine.bench.specs import same_cache, with_extra
 
