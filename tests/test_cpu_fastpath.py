@@ -563,10 +563,11 @@ def test_dequantized_model_matches_quantized_model_in_fp32(tie_word_embeddings: 
 
     modules = [module for _, module in converted.named_modules()]
     assert not any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for m in modules)
-    assert isinstance(converted.model.embed_tokens, nn.Embedding)
-    assert isinstance(converted.model.layers[0].mlp.down_proj, nn.Linear)
+    linear_class, embedding_class = cpu_fastpath._transposed_classes()
+    assert isinstance(converted.model.embed_tokens, embedding_class)
+    assert isinstance(converted.model.layers[0].mlp.down_proj, linear_class)
     if not tie_word_embeddings:
-        assert isinstance(converted.lm_head, nn.Linear)
+        assert isinstance(converted.lm_head, linear_class)
     assert {value.dtype for _, value in tree_flatten(converted.parameters())} == {mx.float32}
 
     tokens = mx.array([[5, 17, 200, 3, 99, 42, 7, 255]])
@@ -600,7 +601,8 @@ def test_dequantized_weights_are_exactly_what_quantized_matmul_uses() -> None:
     bias = layer.bias.astype(mx.float32)
     cpu_fastpath.dequantize_model_to_fp32(model)
     converted = model.layers[0]
-    assert isinstance(converted, nn.Linear)
+    assert type(converted).__name__ == "TransposedLinear"
+    assert converted.weight_t.shape == (64, 48)  # stored transposed: [input dims, output dims]
     assert mx.array_equal(converted.weight, effective_weight)
     assert mx.array_equal(converted.bias, bias)
     np.testing.assert_allclose(
@@ -615,22 +617,26 @@ def test_prefer_fp32_weights_is_false_without_the_fast_path(monkeypatch: pytest.
     assert cpu_fastpath.prefer_fp32_weights() is False
 
 
-def test_row_chunked_matvec_equals_the_single_product():
-    """One-token products with wide weights go through row slices (faster in OpenBLAS); same numbers."""
+def test_transposed_layers_equal_plain_products_for_one_and_many_rows():
+    """Weights stored transposed (fast one-token products): the same numbers as nn.Linear/nn.Embedding."""
     code = (
-        "from engine.cpu_fastpath import enable_fast_blas, _row_chunked_classes\n"
+        "from engine.cpu_fastpath import enable_fast_blas, _transposed_classes\n"
         "enable_fast_blas()\n"
         "import mlx.core as mx\n"
-        "Linear, Embedding = _row_chunked_classes()\n"
-        "layer = Linear(576, 1536, bias=True)\n"
-        "x = mx.random.normal((1, 1, 576))\n"
-        "ref = x @ layer.weight.T + layer.bias\n"
-        "assert mx.allclose(layer(x), ref, atol=1e-4).item()\n"
-        "emb = Embedding(5000, 64)\n"
-        "h = mx.random.normal((1, 1, 64))\n"
-        "assert mx.allclose(emb.as_linear(h), h @ emb.weight.T, atol=1e-4).item()\n"
-        "many = mx.random.normal((1, 9, 576))\n"
-        "assert mx.allclose(layer(many), many @ layer.weight.T + layer.bias, atol=1e-4).item()\n"
+        "Linear, Embedding = _transposed_classes()\n"
+        "w = mx.random.normal((1536, 576)); b = mx.random.normal((1536,))\n"
+        "layer = Linear(mx.contiguous(w.T), b)\n"
+        "for rows in (1, 9, 300):\n"
+        "    x = mx.random.normal((1, rows, 576))\n"
+        "    assert mx.allclose(layer(x), x @ w.T + b, atol=1e-4).item(), rows\n"
+        "assert mx.array_equal(layer.weight, w).item()\n"
+        "table = mx.random.normal((5000, 64))\n"
+        "emb = Embedding(mx.contiguous(table.T))\n"
+        "ids = mx.array([[0, 4999, 17, 17]])\n"
+        "assert mx.array_equal(emb(ids), table[ids]).item()\n"
+        "for rows in (1, 40):\n"
+        "    h = mx.random.normal((1, rows, 64))\n"
+        "    assert mx.allclose(emb.as_linear(h), h @ table.T, atol=1e-4).item(), rows\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
