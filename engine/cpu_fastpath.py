@@ -8,9 +8,14 @@ far slower still with bf16/fp16 activations. So on a Linux CPU the fast configur
 1. :func:`enable_fast_blas` routes MLX's ``cblas_*gemm`` calls to OpenBLAS. It must run **before
    anything in the process imports ``mlx.core``** (mlx_lm imports it too): libmlx.so binds its BLAS
    symbols once, when it is loaded.
-2. :func:`dequantize_model_to_fp32` turns a quantized mlx-lm model into plain fp32 ``nn.Linear`` /
-   ``nn.Embedding`` layers once at load, so every matmul is an fp32 GEMM that the fast BLAS serves and
-   every activation stays fp32. Use it when :func:`prefer_fp32_weights` says so.
+2. :func:`dequantize_model_to_fp32` turns a quantized mlx-lm model into fp32 linear / embedding layers
+   (weights stored transposed) once at load, so every matmul is an fp32 GEMM or GEMV that the fast BLAS
+   serves and every activation stays fp32. Use it when :func:`prefer_fp32_weights` says so.
+3. :mod:`engine.cpu_attention` replaces MLX's unfused CPU attention (grouped heads, query blocks, a
+   vectorised exp) for the uncompressed and compressed Velox caches.
+
+Measured with ``python benchmarks/engine_core.py`` (2k-token prompt, SmolLM2-135M, 2 cores): stock
+8.7 tok/s prefill and 5.6 tok/s decode; with this fast path 160 and 18.6, the same generated text.
 
 Mechanism (why a generated shim): the dynamic linker resolves libmlx.so's undefined ``cblas_sgemm``
 through the process's global scope *before* libmlx's own dependencies, so a library loaded earlier with

@@ -459,6 +459,19 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                                                 and not r["spec"].startswith("mlx-"))
     checked.append(gpu[0])
 
+    speed = re.search(r"Chat speed with MLX on the CPU \((.+?), ([\d,]+)-token prompt\): prefill (\d+\.\d) tok/s and "
+                      r"decode (\d+\.\d) tok/s through Velox's CPU fast path, against (\d+\.\d) and (\d+\.\d) for stock "
+                      r"MLX, with the same generated text", section)
+    assert speed
+    core = results.best("engine_core").data
+    fast, stock = core["runs"]["fast path"], core["runs"]["stock"]
+    assert speed[1] == core["machine"] and core["identical_text"] is True
+    assert close(speed[2], fast["prompt_tokens"])
+    for text, value in ((speed[3], fast["prefill_tok_s"]), (speed[4], fast["decode_tok_s"]),
+                        (speed[5], stock["prefill_tok_s"]), (speed[6], stock["decode_tok_s"])):
+        assert close(text, value), (text, value)
+    checked.append(speed[0])
+
     rest = section
     for text in checked:
         rest = rest.replace(text, " ")

@@ -405,6 +405,18 @@ def readme_section(results: Results) -> list[str]:
             f"{fmt_bits(same)} bits, Δ NLL {fmt_delta(same)}.",
             "",
         ]
+    core = results.best("engine_core")
+    runs = core.data.get("runs", {}) if core else {}
+    if "stock" in runs and "fast path" in runs:
+        stock, fast = runs["stock"], runs["fast path"]
+        same = {True: "the same", False: "different"}.get(core.data.get("identical_text"), "unchecked")
+        lines += [
+            f"Chat speed with MLX on the CPU ({core.data.get('machine', '?')}, {fast['prompt_tokens']:,}-token "
+            f"prompt): prefill {fast['prefill_tok_s']:.1f} tok/s and decode {fast['decode_tok_s']:.1f} tok/s through "
+            f"Velox's CPU fast path, against {stock['prefill_tok_s']:.1f} and {stock['decode_tok_s']:.1f} for stock "
+            f"MLX, with {same} generated text (`python benchmarks/engine_core.py`).",
+            "",
+        ]
     gpu = gpu_headline(results.best("gpu"))
     if gpu:
         shape = results.best("gpu").data.get("shape", {})
