@@ -42,6 +42,10 @@ KINDS = ("quality", "memory", "speed", "all", "report")
 QUALITY_PARTS = ("perplexity", "needle", "agreement")
 
 
+# How far the fp16 reference's mean NLL may move between an earlier run and an `--add` run (nats/token).
+FP16_REFERENCE_TOLERANCE = 1e-4
+
+
 @dataclass
 class Plan:
     """Every size knob of a run; `quick()` is the under-20-minutes version of the full one."""
@@ -283,10 +287,12 @@ def run_quality(ctx: Context) -> dict[str, Any]:
             assert previous_ppl is not None
             old_fp16 = next(r for r in previous_ppl["rows"] if r["spec"] == "fp16")["mean_nll"]
             new_fp16 = next(r for r in rows if r["spec"] == "fp16")["mean_nll"]
-            if abs(old_fp16 - new_fp16) > 1e-6:
+            # Each row's Δ is paired with the fp16 reference of its own run; across runs the reference may move
+            # by float rounding only (e.g. a faster softmax), far below any row's standard error.
+            if abs(old_fp16 - new_fp16) > FP16_REFERENCE_TOLERANCE:
                 raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
             added = {r["spec"] for r in rows}
-            rows = [r for r in previous_ppl["rows"] if r["spec"] not in added] + [r for r in rows if r["spec"] != "fp16"]
+            rows = [r for r in previous_ppl["rows"] if r["spec"] not in added] + rows
             payload["perplexity"] = {**previous_ppl, "rows": rows}
         else:
             payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}

@@ -26,22 +26,26 @@ MLX_DEFAULT_GROUP = 64
 # The quality sweep: every method at every bit width that is meant to be used, plus mlx-lm's cache.
 QUALITY_SPECS = (
     "fp16",
-    "affine:8:64", "affine:4:64", "affine:4:32", "affine:3:32", "affine:2:32",
-    "rotated:8:64", "rotated:4:64", "rotated:4:32", "rotated:3:32", "rotated:3/2:32", "rotated:2:32",
-    "kivi:4:32", "kivi:3:32", "kivi:2:32",
+    "affine:8:64", "affine:4:64", "affine:4:32", "affine:3:32", "affine:2:64", "affine:2:32",
+    "rotated:8:64", "rotated:4:64", "rotated:4:32", "rotated:3:64", "rotated:3:32", "rotated:3/2:64",
+    "rotated:3/2:32", "rotated:2:64", "rotated:2:32",
+    "kivi:8:64", "kivi:4:64", "kivi:4:32", "kivi:3:64", "kivi:3:32", "kivi:3/2:64", "kivi:3/2:32", "kivi:2:64",
+    "kivi:2:32",
     "turboquant:4", "turboquant:3", "turboquant:4/3", "turboquant:3/2", "turboquant:2", "turboquant:1",
     "rvq:4", "rvq:3", "rvq:2",
     "mlx-q:8", "mlx-q:4", "mlx-q:3", "mlx-q:2",
 )
 QUALITY_SPECS_QUICK = (
-    "fp16", "affine:8:64", "rotated:4:64", "rotated:3:32", "kivi:4:32", "turboquant:3", "rvq:3", "mlx-q:4",
+    "fp16", "affine:8:64", "rotated:4:64", "kivi:4:64", "kivi:3:64", "turboquant:3", "rvq:3", "mlx-q:4",
 )
+# fp32 is what the app's "Off" level holds on the Linux CPU fast path (the model computes in fp32 there).
 SPEED_SPECS = (
-    "fp16", "mlx-kv", "mlx-q:8", "mlx-q:4",
-    "affine:8:64", "affine:4:64", "rotated:4:64", "rotated:3:32", "kivi:4:32",
+    "fp16", "fp32", "mlx-kv", "mlx-q:8", "mlx-q:4",
+    "affine:8:64", "affine:4:64", "rotated:4:64", "rotated:3:32",
+    "kivi:8:64", "kivi:4:64", "kivi:3:64", "kivi:2:64",
     "turboquant:4", "turboquant:3", "rvq:3",
 )
-SPEED_SPECS_QUICK = ("fp16", "mlx-q:4", "rotated:4:64", "turboquant:3")
+SPEED_SPECS_QUICK = ("fp32", "mlx-q:4", "kivi:4:64", "turboquant:3")
 MEMORY_SPECS = (*QUALITY_SPECS, "mlx-kv")
 MEMORY_SPECS_QUICK = (*QUALITY_SPECS_QUICK, "mlx-kv")
 VELOXQUANT_SPECS = ("vq:turboquant_rvq:1", "vq:turboquant_rvq:2", "vq:kivi:2", "vq:kivi:4")
