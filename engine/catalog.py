@@ -637,5 +637,23 @@ def load_model(
                 raise ModelError(f"The model in {info.path} could not be prepared for the CPU: {reason}") from error
             if converted is not None:
                 model = converted
+    _compute_in_declared_dtype_on_gpu(model, info)
     report("Model ready", 1.0)
     return model, tokenizer, info
+
+
+def _compute_in_declared_dtype_on_gpu(model: Any, info: ModelInfo) -> None:
+    """On a GPU, cast the model's unquantized float parameters to its declared 16-bit dtype.
+
+    Why: a checkpoint may keep some small tensors in float32 (GGUF files store the norms as F32, so the
+    embedded default model does), and one float32 norm weight promotes every activation after it to
+    float32: twice the activation and KV traffic, and MLX's CUDA quantized_matmul has no float32 kernel
+    for many shapes (measured: prefill failed for KIVI and mlx-lm's quantized caches). Packed weights are
+    integers and are left alone. On the CPU nothing changes: there activations stay float32 on purpose.
+    """
+    import mlx.core as mx
+
+    dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(info.dtype)
+    if dtype is None or mx.default_device() != mx.gpu:
+        return
+    model.set_dtype(dtype)

@@ -322,10 +322,17 @@ def test_report_on_the_committed_results_without_matplotlib(tmp_path: Path, monk
     assert "Figure not drawn: matplotlib is not installed" in text
     assert "![" not in text
     assert _check_tables(text) >= 10
-    # Each section names its file; the needle and agreement parts come from the quick run until a full one exists.
-    for name in ("quality.json", "memory.json", "gpu.json", "quick/quality-quick.json", "quick/speed-quick.json"):
-        assert name in text, name
-    assert "**quick run**" in text and "Not run yet" not in text
+    # Each section names the file it reads: the best available one (a full run over a quick one).
+    from engine.bench.report import load_results
+
+    results = load_results(COMMITTED)
+    for kind, part in (("quality", "perplexity"), ("quality", "needle"), ("quality", "agreement"), ("memory", None),
+                       ("gpu", None), ("speed", None)):
+        source = results.best(kind, part) if part else results.best(kind)
+        assert source is not None, (kind, part)
+        assert source.path.name in text, (kind, part)
+        assert part != "needle" or not source.quick  # the full needle run (H200) is committed
+    assert "Not run yet" not in text
     assert "## How to reproduce" in text and "benchmarks/bench.py report" in text
     # Peers appear with the bits they really hold, side by side with Velox and mlx-lm.
     assert "| veloxquant kivi 4-bit | 32.01 |" in text

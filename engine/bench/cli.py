@@ -345,8 +345,11 @@ def run_quality(ctx: Context) -> dict[str, Any]:
         failures = [r["error"] for r in results if "error" in r]
         if failures:
             raise BenchmarkError(f"agreement failed: {failures}")
-        generations = {s.text: [g for r in results for g in r["generations"][s.text]] for s in follow_specs}
+        errors = {name: message for r in results for name, message in r["generations"].get("errors", {}).items()}
+        generations = {s.text: [g for r in results for g in r["generations"][s.text]] for s in follow_specs
+                       if s.text not in errors}
         payload["agreement"] = {
+            "failures": errors,
             "settings": {"prompts": len(prompts), "prompt_tokens": plan.agreement_prompt_tokens,
                          "new_tokens": plan.agreement_new_tokens,
                          "match_rate": "tokens before the first divergence from fp16 / tokens generated, averaged"},

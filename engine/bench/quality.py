@@ -179,13 +179,18 @@ def needle_trial(
     for name, factory in factories.items():
         began = time.perf_counter()
         caches = factory()
-        prefill(model, caches, prompt[:-1])
-        logits = model(mx.array([prompt[-1], *answer[:-1]])[None], cache=caches)[0].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-        exact = mx.all(mx.argmax(logprobs, axis=-1) == targets)
-        first_rank = (logprobs[0] > picked[0]).sum()  # 0 when the answer's first token is the argmax
-        mx.eval(picked, exact, first_rank)
+        try:
+            prefill(model, caches, prompt[:-1])
+            logits = model(mx.array([prompt[-1], *answer[:-1]])[None], cache=caches)[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            picked = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+            exact = mx.all(mx.argmax(logprobs, axis=-1) == targets)
+            first_rank = (logprobs[0] > picked[0]).sum()  # 0 when the answer's first token is the argmax
+            mx.eval(picked, exact, first_rank)
+        except RuntimeError as error:  # e.g. a kernel MLX lacks on this backend: recorded, not fatal
+            out[name] = {"error": str(error).splitlines()[0][:300]}
+            del caches
+            continue
         out[name] = {
             "answer_logprob": float(picked.sum().item()),
             "exact": bool(exact.item()),
@@ -200,8 +205,14 @@ def combine_needle(trials: list[dict[str, Any]], specs: Sequence[CacheSpec]) -> 
     """Recall and answer log-probability per spec, overall and per length and depth, with the paired
     difference of log-probabilities against fp16 (trials as the units)."""
     summary = []
+    failures = {}
     for spec in specs:
-        rows = [t for t in trials if spec.text in t["results"]]
+        failed = [t for t in trials if "error" in t["results"].get(spec.text, {})]
+        if failed:
+            failures[spec.text] = {"trials": len(failed), "lengths": sorted({t["length"] for t in failed}),
+                                   "error": failed[0]["results"][spec.text]["error"]}
+        rows = [t for t in trials if spec.text in t["results"] and "error" not in t["results"][spec.text]
+                and "error" not in t["results"].get(REFERENCE, {})]
         if not rows:
             continue
         logprob = np.array([t["results"][spec.text]["answer_logprob"] for t in rows])
@@ -235,7 +246,7 @@ def combine_needle(trials: list[dict[str, Any]], specs: Sequence[CacheSpec]) -> 
             "by_length": by_length,
             "by_depth": by_depth,
         })
-    return {"summary": summary}
+    return {"summary": summary, "failures": failures}
 
 
 # ----- greedy agreement ---------------------------------------------------------------------------------------
@@ -258,10 +269,13 @@ def agreement_prompts(
     model: Any, specs: Sequence[CacheSpec], prompts: list[list[int]], n_tokens: int
 ) -> dict[str, list[list[int]]]:
     """Greedy continuations of every prompt under every cache."""
-    out: dict[str, list[list[int]]] = {}
+    out: dict[str, Any] = {}
     for spec in specs:
         factory = spec.factory(model)
-        out[spec.text] = [greedy_tokens(model, factory(), prompt, n_tokens) for prompt in prompts]
+        try:
+            out[spec.text] = [greedy_tokens(model, factory(), prompt, n_tokens) for prompt in prompts]
+        except RuntimeError as error:  # e.g. a kernel MLX lacks on this backend: recorded, not fatal
+            out.setdefault("errors", {})[spec.text] = str(error).splitlines()[0][:300]
     return out
 
 

@@ -711,10 +711,29 @@ def needle_section(results: Results, base: Path) -> list[str]:
         "saturates; Δ is paired with fp16 trial by trial (± one standard error).",
         "",
         *_source_line(source, base),
+        *_run_note(source),
+        *_failures_note(needle.get("failures", {})),
         *_followed_note([r["spec"] for r in needle["summary"]]),
         *_table(["cache", "recall", *[f"recall @{n} tokens" for n in lengths], *[f"recall at depth {d}" for d in depths],
                  "answer log p (nats)", "Δ log p vs fp16 (nats)"], body),
     ]
+
+
+def _run_note(source: Source) -> list[str]:
+    machine = source.data.get("machine", {})
+    note = machine.get("note") if isinstance(machine, dict) else None
+    return [note, ""] if note else []
+
+
+def _failures_note(failures: dict[str, Any]) -> list[str]:
+    """Caches that could not run at all on that backend (recorded by the harness, not hidden)."""
+    if not failures:
+        return []
+    items = []
+    for spec, failure in failures.items():
+        message = failure["error"] if isinstance(failure, dict) else str(failure)
+        items.append(f"{_label(spec)}: `{message}`")
+    return ["Failed on this backend, so absent from the table: " + "; ".join(items) + ".", ""]
 
 
 def agreement_section(results: Results, base: Path) -> list[str]:
@@ -732,6 +751,8 @@ def agreement_section(results: Results, base: Path) -> list[str]:
         "the harshest of the quality measures; with few prompts it is also the noisiest.",
         "",
         *_source_line(source, base),
+        *_run_note(source),
+        *_failures_note(agreement.get("failures", {})),
         *_followed_note([r["spec"] for r in agreement["rows"]]),
         *_table(["cache", "match rate", "first divergence (tokens)", "identical continuations",
                  "same token at same position"], body),

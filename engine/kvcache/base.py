@@ -37,8 +37,8 @@ _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32
 # DEQUANTIZE_BLOCK_TOKENS for query blocks of at least DEQUANTIZE_MIN_ROWS rows (prefill chunks; never
 # single-token decoding) and multiplies with ordinary matmuls: on a CPU, where MLX's quantized_matmul is
 # not BLAS-backed, that is ~3x faster for 64-token chunks (measured on SmolLM2 shapes). The decoded block
-# is transient (freed after use); nothing 16-bit is kept. "auto" picks "dequantize-blocks" when MLX runs
-# on the CPU and "fused" on a GPU (Metal, CUDA), where quantized_matmul is the fast kernel.
+# is transient (freed after use); nothing 16-bit is kept. "auto" picks "fused" on Metal, where
+# quantized_matmul is the fast kernel, and "dequantize-blocks" elsewhere (CPU; CUDA, see below).
 PREFILL_ATTENTION_CHOICES = ("fused", "dequantize-blocks", "auto")
 DEQUANTIZE_BLOCK_TOKENS = 4096
 DEQUANTIZE_MIN_ROWS = 16
@@ -668,7 +668,10 @@ def _softmax(scores: mx.array) -> mx.array:
 
 def _prefill_dequantizes(choice: str) -> bool:
     if choice == "auto":
-        return mx.default_device() == mx.cpu
+        # Fused prefill needs quantized_matmul for hundreds of query rows at once: fast on Metal; slow on the
+        # CPU; and MLX 0.32's CUDA backend has no kernel for it (measured on an H200: "No implementation for
+        # problem shape: 1533x8128x64x3, transpose: false"), so only Metal attends fused here.
+        return not (mx.default_device() == mx.gpu and mx.metal.is_available())
     return choice == "dequantize-blocks"
 
 
