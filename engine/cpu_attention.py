@@ -15,8 +15,8 @@ What this module does instead, all in MLX ops:
 - Scores are computed for blocks of queries holding at most `SCORE_BLOCK_ELEMENTS` scores: MLX's compiled
   CPU kernels run 5x slower per element once an operand passes ~8 MB (measured: 2.5 ns per element at 1M
   elements, 14 ns at 2M and above), and small blocks also keep the working memory small.
-Measured (same shapes): decode 0.58 -> 0.32 ms per layer; prefill chunk 512x512 37 -> 19 ms, 512x2048
-149 -> 80 ms.
+Measured (same shapes): prefill chunk 512x512 37 -> 19 ms, 512x2048 149 -> 80 ms per layer. One-token
+decoding stays with MLX's function (`attention` picks; see MIN_QUERIES_FOR_GROUPED).
 
 Only used when `active()`: Linux, the fast path on (`cpu_fastpath.prefer_fp32_weights()`, which also
 means the model computes in fp32 on the CPU), and `mx.compile` works (it needs a C++ compiler at run time on
@@ -112,6 +112,22 @@ def _numerator_and_total(scores: mx.array) -> tuple[mx.array, mx.array]:
 def query_block(n_score_rows_per_query: int, n_keys: int) -> int:
     """How many queries fit in one block of at most SCORE_BLOCK_ELEMENTS scores (at least one)."""
     return max(1, SCORE_BLOCK_ELEMENTS // max(1, n_score_rows_per_query * n_keys))
+
+
+# Below this many queries (one-token decoding) MLX's own scaled_dot_product_attention is used: measured
+# inside SmolLM2 decoding at 2k/8k cached tokens it ran 56/101 ms per token against 70/115 ms with
+# grouped_attention (at one query, per-op Python overhead and a copy of the strided key view dominate, and
+# exp is only 9 x n_keys values). Prefill chunks keep grouped_attention, 2x faster there.
+MIN_QUERIES_FOR_GROUPED = 2
+
+
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
+) -> mx.array:
+    """The faster of MLX's attention and `grouped_attention` for this many queries (see above)."""
+    if queries.shape[2] < MIN_QUERIES_FOR_GROUPED:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return grouped_attention(queries, keys, values, scale, mask)
 
 
 def grouped_attention(

@@ -90,3 +90,14 @@ def test_dense_caches_use_mlx_attention_when_the_fast_path_is_off(monkeypatch: p
     assert isinstance(fetched_keys, mx.array) and mx.array_equal(fetched_keys, keys)
     assert not hasattr(cache, "bits") and not hasattr(cache, "group_size")
     assert {type(c).__name__ for c in _default_cache_factory(tiny_llama())} == {"KVCache"}
+
+
+def test_attention_uses_mlx_for_one_query_and_grouped_for_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(cpu_attention, "grouped_attention", lambda *args: calls.append("grouped") or args[0])
+    queries, keys, values = _qkv(9, 3, 1, 100)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=None)
+    assert mx.array_equal(cpu_attention.attention(queries, keys, values, 0.125, None), expected) and calls == []
+    queries, keys, values = _qkv(9, 3, 4, 100)
+    cpu_attention.attention(queries, keys, values, 0.125, "causal")
+    assert calls == ["grouped"]

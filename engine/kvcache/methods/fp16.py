@@ -64,7 +64,7 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
     ) -> mx.array:
         cached_keys = self._keys[..., : self.offset, :].astype(queries.dtype)
         cached_values = self._values[..., : self.offset, :].astype(queries.dtype)
-        return cpu_attention.grouped_attention(queries, cached_keys, cached_values, scale, mask)
+        return cpu_attention.attention(queries, cached_keys, cached_values, scale, mask)
 
     def _reset_storage(self) -> None:
         self._keys: mx.array | None = None
