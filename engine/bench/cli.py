@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,8 @@ class Context:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.plan = Plan.quick_plan() if args.quick else Plan()
+        if getattr(args, "rounds", None):
+            self.plan = replace(self.plan, rounds=args.rounds)
         self.out = Path(args.out) if args.out else default_out_dir()
         self.jobs = max(1, args.jobs)
         self._model_path: str | None = args.model
@@ -474,6 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes for the quality runs (timings always run one at a time)")
     parser.add_argument("--specs", default=None, help="comma-separated cache specs instead of the defaults")
     parser.add_argument("--parts", default=None, help=f"quality parts to run ({','.join(QUALITY_PARTS)})")
+    parser.add_argument("--rounds", type=int, default=None, help="speed: rounds per config (default 3, quick 1)")
     parser.add_argument("--no-peers", action="store_true", help="skip the veloxquant-mlx peer (no venv is made)")
     parser.add_argument("--add", action="store_true",
                         help="quality: add the --specs rows to an earlier perplexity run on the same windows")
