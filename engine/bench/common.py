@@ -100,9 +100,10 @@ def result_name(kind: str, quick: bool) -> str:
 
 def write_result(out_dir: Path, kind: str, quick: bool, payload: dict[str, Any]) -> Path:
     """Write one run's JSON (schema, kind, time and machine added) and return its path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    folder = _result_folder(out_dir, quick)
+    folder.mkdir(parents=True, exist_ok=True)
     record = {"schema": SCHEMA, "kind": kind, "quick": quick, "created": now(), **payload}
-    path = out_dir / result_name(kind, quick)
+    path = folder / result_name(kind, quick)
     path.write_text(json.dumps(record, indent=1, default=_json_default) + "\n", encoding="utf-8")
     return path
 
@@ -117,11 +118,16 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"Cannot write {type(value).__name__} to JSON.")
 
 
+def _result_folder(out_dir: Path, quick: bool) -> Path:
+    """Quick runs live in `quick/` under the results folder, so they never sit beside the full ones."""
+    return out_dir / "quick" if quick else out_dir
+
+
 def read_result(out_dir: Path, kind: str, prefer_full: bool = True) -> dict[str, Any] | None:
     """The full run's JSON of `kind` if present (else the quick one), or None."""
     order = (False, True) if prefer_full else (True, False)
     for quick in order:
-        path = out_dir / result_name(kind, quick)
+        path = _result_folder(out_dir, quick) / result_name(kind, quick)
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
     return None
