@@ -101,11 +101,13 @@ def _default_cache_factory(model: Any) -> list[Any]:
     attends with `engine.cpu_attention` (MLX has no fused CPU attention). Same bytes either way."""
     from engine import cpu_attention
 
-    if cpu_attention.active() and all(type(c).__name__ == "KVCache" for c in make_prompt_cache(model)):
+    caches = make_prompt_cache(model)
+    # Only plain caches are replaced: a model that asks for others (e.g. sliding-window) keeps them.
+    if cpu_attention.active() and all(type(c).__name__ == "KVCache" for c in caches):
         from engine.kvcache import KVCacheBuilder, KVCacheConfig
 
         return KVCacheBuilder(KVCacheConfig("fp32")).for_model(model).build()
-    return make_prompt_cache(model)
+    return caches
 
 
 class ChatSession:
