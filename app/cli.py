@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 EXIT_ERROR = 1
@@ -54,17 +55,33 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list KV cache compression methods")
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
-    from engine.bench.cli import add_arguments as add_bench_arguments  # MLX-free at import
-
-    add_bench_arguments(sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed)"))
+    bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed; from a source checkout)")
+    harness = _bench_harness()
+    if harness is not None:
+        harness.add_arguments(bench)
+    else:
+        bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _bench_harness() -> Any:
+    """The benchmark harness's CLI module, or None: it lives in a source checkout's `benchmarks/`
+    (it is not installed with the app), found beside the `app` package this runs from."""
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "benchmarks" / "harness" / "cli.py").is_file():
+        return None
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    from benchmarks.harness import cli  # MLX-free at import
+
+    return cli
 
 
 def _cache_config(args: argparse.Namespace) -> Any:
     if args.kv is None and args.kv_bits is None:
         return None
     from engine.kvcache import KVCacheConfig
-    from engine.recommend import LEVELS
+    from engine.planning.recommend import LEVELS
 
     # Without --kv, the method is the one the app's compression level of that many bits uses (the level
     # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
@@ -78,7 +95,7 @@ def _cache_config(args: argparse.Namespace) -> Any:
 
 
 def _print_stats(stats: Any) -> None:
-    from engine.memory import format_bytes
+    from engine.planning.memory import format_bytes
 
     print(
         f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
@@ -90,7 +107,7 @@ def _print_stats(stats: Any) -> None:
 
 
 def _run_turn(session: Any, question: str, show_stats: bool) -> None:
-    from engine.session import GenerationStats, Notice, PrefillProgress, TextChunk
+    from engine.chat.session import GenerationStats, Notice, PrefillProgress, TextChunk
 
     try:
         for event in session.send(question):
@@ -113,9 +130,9 @@ def _run_turn(session: Any, question: str, show_stats: bool) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from engine.catalog import load_model, resolve_model
-    from engine.documents import load_document
-    from engine.session import ChatSession, GenerationSettings
+    from engine.chat.documents import load_document
+    from engine.chat.session import ChatSession, GenerationSettings
+    from engine.models.catalog import load_model, resolve_model
 
     settings = GenerationSettings(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -160,8 +177,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _models() -> int:
-    from engine.catalog import list_models
-    from engine.memory import format_bytes
+    from engine.models.catalog import list_models
+    from engine.planning.memory import format_bytes
 
     for info in list_models():
         status = "ready" if info.ready else "not ready"
@@ -176,7 +193,7 @@ def _info() -> int:
     import platform
 
     import engine
-    from engine.memory import format_bytes, snapshot
+    from engine.planning.memory import format_bytes, snapshot
     from engine.runtime import runtime_status
 
     snap = snapshot()
@@ -225,9 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "app":
             return _app(args)
         if args.command == "bench":
-            from engine.bench.cli import run as run_bench
-
-            return run_bench(args)
+            harness = _bench_harness()
+            if harness is None:
+                print(
+                    "error: `velox bench` runs from a Velox source checkout: the benchmark harness "
+                    "(benchmarks/harness) is not part of the installed app.",
+                    file=sys.stderr,
+                )
+                return EXIT_ERROR
+            return harness.run(args)
     except VeloxError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR

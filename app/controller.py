@@ -186,7 +186,7 @@ class ChatController(QObject):
 
     def list_models(self) -> list[Any]:
         """The engine's catalogue (reads only JSON headers: milliseconds, no MLX work)."""
-        from engine.catalog import list_models
+        from engine.models.catalog import list_models
 
         return list_models()
 
@@ -516,7 +516,7 @@ class ChatController(QObject):
 
     def refresh_memory(self) -> dict[str, Any]:
         """Read system, process and MLX memory (cheap counters, no MLX work) and publish them."""
-        from engine.memory import snapshot
+        from engine.planning.memory import snapshot
 
         started = time.perf_counter()
         snap = snapshot(None)
@@ -539,7 +539,7 @@ class ChatController(QObject):
 
     def memory_line(self) -> str:
         """One line for the tray menu: free RAM and the cache held."""
-        from engine.memory import format_bytes
+        from engine.planning.memory import format_bytes
 
         if not self.last_memory:
             return "Memory: reading…"

@@ -64,7 +64,7 @@ def apply_theme(app: Any, theme: str) -> None:
     and style sheet."""
     from PySide6.QtCore import Qt
 
-    from app.widgets.theme import colors, style_sheet, ui_font
+    from app.views.widgets.theme import colors, style_sheet, ui_font
 
     if sys.platform != "darwin":
         app.setStyle("Fusion")
@@ -81,7 +81,7 @@ def apply_theme(app: Any, theme: str) -> None:
 def _dark_palette() -> Any:
     from PySide6.QtGui import QColor, QPalette
 
-    from app.widgets.theme import DARK
+    from app.views.widgets.theme import DARK
 
     palette = QPalette()
     roles = {
@@ -115,10 +115,10 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
     "if the system has one"."""
     from PySide6.QtWidgets import QSystemTrayIcon
 
-    from app.chat_window import ChatWindow
     from app.controller import ChatController
     from app.settings import load_settings
     from app.store import ConversationStore
+    from app.views.chat_window import ChatWindow
 
     settings = load_settings(settings_path)
     store = ConversationStore(store_path)
@@ -127,7 +127,7 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
     window = ChatWindow(controller, quit_on_close=not tray_available, methods=method_catalogue())
     tray = None
     if tray_available:
-        from app.tray import TrayIcon
+        from app.views.tray import TrayIcon
 
         tray = TrayIcon(controller, window)
     if store.notice:
@@ -166,7 +166,7 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     if hasattr(hints, "colorSchemeChanged"):  # Qt 6.5+: follow the system's light/dark switch live
 
         def follow_scheme(*_args: Any) -> None:
-            from app.widgets.theme import colors, style_sheet
+            from app.views.widgets.theme import colors, style_sheet
 
             app.setStyleSheet(style_sheet(colors()))
             window.restyle()

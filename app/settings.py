@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.paths import data_dir
-from engine.recommend import LEVEL_KEYS
+from engine.planning.recommend import LEVEL_KEYS
 
 SETTINGS_FILE_NAME = "settings.json"
 SETTINGS_FORMAT_VERSION = 1
 THEMES = ("system", "light", "dark")
-# 'auto' follows engine.recommend's recommendation; otherwise one of the level keys ('16', '8', ...).
+# 'auto' follows engine.planning.recommend's recommendation; otherwise one of the level keys ('16', '8', ...).
 AUTO_COMPRESSION = "auto"
 COMPRESSION_CHOICES = (AUTO_COMPRESSION, *LEVEL_KEYS)
 MAX_TEMPERATURE = 2.0
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Settings:
-    last_model: str | None = None  # a model folder path or name, as engine.catalog.resolve_model takes it
+    last_model: str | None = None  # a model folder path or name, as engine.models.catalog.resolve_model takes it
     compression: str = AUTO_COMPRESSION
     method_override: str | None = None  # advanced: a KV cache method name that replaces the level's method
     temperature: float = 0.0

@@ -36,7 +36,7 @@ from engine.errors import VeloxError
 from engine.paths import data_dir
 
 if TYPE_CHECKING:
-    from engine.session import Message
+    from engine.chat.session import Message
 
 DATABASE_FILE_NAME = "velox.sqlite3"
 SCHEMA_VERSION = 1
@@ -93,7 +93,7 @@ class StoredMessage:
     cancelled: bool
     created: float
     compression: str | None  # the KV cache setting the reply was generated with
-    stats: dict[str, Any] | None  # engine.session.GenerationStats as a dict
+    stats: dict[str, Any] | None  # engine.chat.session.GenerationStats as a dict
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -418,8 +418,8 @@ class ConversationStore:
     ) -> int:
         """Add a message at the end of the conversation, committed to disk before returning; its id.
 
-        `documents`: engine.documents.Document or StoredDocument objects (anything with name and text).
-        `stats`: an engine.session.GenerationStats, a dict, or None.
+        `documents`: engine.chat.documents.Document or StoredDocument objects (anything with name and text).
+        `stats`: an engine.chat.session.GenerationStats, a dict, or None.
         """
         if role not in ROLES:
             raise ValueError(f"A message's role must be one of {', '.join(ROLES)}, not {role!r}.")
@@ -510,11 +510,11 @@ class ConversationStore:
 
     @staticmethod
     def to_session_history(messages: Iterable[StoredMessage]) -> list[Message]:
-        """The user and assistant messages as engine.session.Message objects, documents included, ready
+        """The user and assistant messages as engine.chat.session.Message objects, documents included, ready
         to become a ChatSession's `history`. System messages are skipped: a session keeps its system
         prompt separately (ChatSession.system_prompt)."""
-        from engine.documents import Document  # engine.documents and engine.session import MLX
-        from engine.session import Message
+        from engine.chat.documents import Document  # engine.chat.documents and engine.chat.session import MLX
+        from engine.chat.session import Message
 
         history = []
         for message in messages:

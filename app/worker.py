@@ -39,7 +39,7 @@ GIL_SWITCH_INTERVAL_S = 0.001
 
 def compression_levels() -> list[Any]:
     """The engine's compression levels (16/8/4/3/2 bits) in slider order."""
-    from engine.recommend import LEVELS
+    from engine.planning.recommend import LEVELS
 
     return list(LEVELS)  # highest precision first, the slider's order
 
@@ -146,7 +146,7 @@ class EngineWorker(QObject):
     @Slot(str)
     def load_model(self, spec: str) -> None:
         """Load a model (a folder, 'org/name' in the HF cache, or '' for the embedded default)."""
-        from engine.catalog import load_model, resolve_model
+        from engine.models.catalog import load_model, resolve_model
 
         self.busyChanged.emit(True, "loading")
         try:
@@ -173,7 +173,7 @@ class EngineWorker(QObject):
         self._install_model(model, tokenizer, info)
 
     def _install_model(self, model: Any, tokenizer: Any, info: Any) -> None:
-        from engine.session import ChatSession, GenerationSettings
+        from engine.chat.session import ChatSession, GenerationSettings
 
         self._model, self._tokenizer, self.info = model, tokenizer, info
         self.session = ChatSession(model, tokenizer, context_length=info.max_context or None,
@@ -187,8 +187,8 @@ class EngineWorker(QObject):
         self.recommendation.emit(self._recommend(info.max_context))
 
     def _recommend(self, context_tokens: int) -> dict[str, Any] | None:
-        from engine.memory import system_memory
-        from engine.recommend import recommend
+        from engine.planning.memory import system_memory
+        from engine.planning.recommend import recommend
 
         try:
             # The model is loaded: its weights are already out of the "available" memory.
@@ -234,7 +234,7 @@ class EngineWorker(QObject):
         self._run_turn("", options, regenerate=True)
 
     def _generation_settings(self, options: dict[str, Any]) -> Any:
-        from engine.session import GenerationSettings
+        from engine.chat.session import GenerationSettings
 
         policy = options.get("overflow_policy") or self._overflow_policy
         if options.get("overflow_policy"):
@@ -249,7 +249,7 @@ class EngineWorker(QObject):
         )
 
     def _run_turn(self, text: str, options: dict[str, Any], *, regenerate: bool) -> None:
-        from engine.session import GenerationStats, Notice, PrefillProgress, TextChunk
+        from engine.chat.session import GenerationStats, Notice, PrefillProgress, TextChunk
 
         if self.session is None:
             self.turnFailed.emit("No model is loaded yet.")
@@ -346,8 +346,8 @@ class EngineWorker(QObject):
     @Slot(str)
     def inspect_document(self, path: str) -> None:
         """Read a document and report its size in tokens, whether it fits the context and each level's memory."""
-        from engine.documents import count_tokens, load_document
-        from engine.memory import system_memory
+        from engine.chat.documents import count_tokens, load_document
+        from engine.planning.memory import system_memory
 
         if self.session is None:
             self.documentFailed.emit(path, "Load a model before attaching a document.")
@@ -369,7 +369,7 @@ class EngineWorker(QObject):
         self._inspected[doc_id] = document
         session = self.session
         # The whole conversation with this document and an empty question, plus room for a reply.
-        from engine.session import Message
+        from engine.chat.session import Message
 
         draft = [*session.history, Message("user", "", [*session.pending_documents, document])]
         needed = len(session.render_tokens(draft)) + session.settings.max_tokens
@@ -393,7 +393,7 @@ class EngineWorker(QObject):
         self.busyChanged.emit(False, "")
 
     def _verdicts(self, n_tokens: int, available: int) -> list[dict[str, Any]]:
-        from engine.recommend import fit_verdicts
+        from engine.planning.recommend import fit_verdicts
 
         return [
             {
@@ -478,8 +478,8 @@ class EngineWorker(QObject):
         """The engine's explanation if a cache of `n_tokens` at the current level would not fit in memory
         (checked before the work starts, so the OS never has to kill the app); '' when it fits."""
         from engine.errors import ConfigError, MemoryBudgetError
-        from engine.memory import system_memory
-        from engine.recommend import check_fits
+        from engine.planning.memory import system_memory
+        from engine.planning.recommend import check_fits
 
         held = self.session.kv_cache_bytes()  # already allocated: it is not "available" any more, but is ours
         try:
@@ -491,10 +491,10 @@ class EngineWorker(QObject):
 
     def _check_memory(self, document: Any) -> bool:
         """Refuse, with the engine's explanation, a document whose cache would not fit in memory."""
+        from engine.chat.session import Message
         from engine.errors import ConfigError, MemoryBudgetError
-        from engine.memory import system_memory
-        from engine.recommend import check_fits
-        from engine.session import Message
+        from engine.planning.memory import system_memory
+        from engine.planning.recommend import check_fits
 
         session = self.session
         draft = [*session.history, Message("user", "", [*session.pending_documents, document])]
@@ -561,7 +561,7 @@ class EngineWorker(QObject):
     def _fp16_bytes(self, n_tokens: int) -> int:
         level = find_level("16")
         if level is not None:
-            from engine.recommend import cache_bytes
+            from engine.planning.recommend import cache_bytes
 
             try:
                 return int(cache_bytes(self.info, n_tokens, level))

@@ -1,4 +1,4 @@
-"""Run `velox bench` from a checkout without installing: the harness lives in engine/bench/.
+"""Run `velox bench` from a checkout without installing: the harness lives in benchmarks/harness/.
 
     python benchmarks/bench.py quality|memory|speed|all|report [--quick] [--out DIR] [...]
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench.cli import main  # noqa: E402  (MLX-free; main prepares the CPU fast path first)
+from benchmarks.harness.cli import main  # noqa: E402  (MLX-free; main prepares the CPU fast path first)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Measure MLX on the Linux CPU with and without the fast path of engine.cpu_fastpath.
+"""Measure MLX on the Linux CPU with and without the fast path of engine.runtime.cpu.fastpath.
 
 The fast BLAS is a process-level switch (it must be loaded before mlx.core), so each configuration runs
 in its own subprocess of this script and reports JSON back to the parent, which prints the tables.
@@ -39,7 +39,7 @@ MIN_REPEATS = 3
 def _prepare(config: str) -> dict[str, Any]:
     """Set up the process for one configuration; must run before mlx.core is imported."""
     sys.path.insert(0, str(REPO_ROOT))
-    from engine.cpu_fastpath import enable_fast_blas
+    from engine.runtime.cpu.fastpath import enable_fast_blas
 
     if config == "stock":
         return {"enabled": False, "reason": "stock MLX"}
@@ -99,7 +99,7 @@ def model_worker(config: str, model_path: str, prompt_tokens: int, max_tokens: i
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from engine.cpu_fastpath import dequantize_model_to_fp32, prefer_fp32_weights
+    from engine.runtime.cpu.fastpath import dequantize_model_to_fp32, prefer_fp32_weights
 
     mx.set_default_device(mx.cpu)
     load_started = time.perf_counter()
@@ -247,7 +247,7 @@ def main() -> None:
         model_path = arguments.model
         if model_path == "default":
             sys.path.insert(0, str(REPO_ROOT))
-            from engine.default_model import ensure_default_model
+            from engine.models.default_model import ensure_default_model
 
             model_path = str(ensure_default_model())
         configs = [c.strip() for c in arguments.configs.split(",") if c.strip()]

@@ -25,7 +25,7 @@ import time, json
 t = time.perf_counter()
 from engine.runtime import prepare_runtime
 prepare_runtime()
-from engine.default_model import ensure_default_model
+from engine.models.default_model import ensure_default_model
 ensure_default_model()
 print(json.dumps({"seconds": time.perf_counter() - t}))
 """
@@ -36,10 +36,10 @@ fast = os.environ.get("VELOX_FAST_BLAS", "1") != "0"
 t0 = time.perf_counter()
 from engine.runtime import prepare_runtime, runtime_status
 prepare_runtime()
-from engine.catalog import load_model
-from engine.default_model import ensure_default_model
-from engine.documents import Document
-from engine.session import ChatSession, GenerationSettings, GenerationStats, TextChunk
+from engine.models.catalog import load_model
+from engine.models.default_model import ensure_default_model
+from engine.chat.documents import Document
+from engine.chat.session import ChatSession, GenerationSettings, GenerationStats, TextChunk
 import mlx.core as mx
 model, tokenizer, info = load_model(ensure_default_model())
 load_seconds = time.perf_counter() - t0

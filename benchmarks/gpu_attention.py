@@ -1,4 +1,4 @@
-"""Synthetic Llama-3.1-8B-shaped attention decode on a GPU (engine/bench/gpu.py), for the `device` machine.
+"""Synthetic Llama-3.1-8B-shaped attention decode on a GPU (benchmarks/harness/gpu.py), for the `device` machine.
 
     python benchmarks/gpu_attention.py --out benchmarks/results/gpu.json [--contexts ...] [--specs ...]
     python benchmarks/gpu_attention.py --probe --out gpu-probe.json   (which quantized shapes run at all)
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench.gpu import main  # noqa: E402
+from benchmarks.harness.gpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -65,13 +65,13 @@ def main() -> None:
 
     prepare_runtime()  # before MLX is imported: the Linux CPU fast path
 
-    from engine.catalog import load_model
     from engine.kvcache.evaluate import teacher_forced_quality
+    from engine.models.catalog import load_model
 
     if args.model:
         model_dir = args.model
     else:
-        from engine.default_model import ensure_default_model
+        from engine.models.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     model, tokenizer, info = load_model(model_dir)

@@ -80,8 +80,8 @@ def main() -> int:
 
     from app.main import RESOURCES, apply_theme, build_app
     from app.settings import Settings, save_settings
-    from engine.catalog import load_model
-    from engine.default_model import ensure_default_model
+    from engine.models.catalog import load_model
+    from engine.models.default_model import ensure_default_model
 
     app = QApplication(sys.argv[:1])
     app.setApplicationName("Velox")

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def default_model_path():
     """The converted SmolLM2 folder (fetched and converted on first use, then cached in the data dir)."""
-    from engine.default_model import ensure_default_model
+    from engine.models.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -26,6 +26,6 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def smollm(default_model_path):
     """(model, tokenizer, info) of the real default model, loaded once for the whole run."""
-    from engine.catalog import load_model
+    from engine.models.catalog import load_model
 
     return load_model(default_model_path)

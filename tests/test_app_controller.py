@@ -11,7 +11,7 @@ import pytest
 from app.controller import ChatController, reply_caption
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore
-from engine.recommend import level_by_key
+from engine.planning.recommend import level_by_key
 
 WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
 
@@ -187,12 +187,12 @@ def test_reply_caption_reads_like_a_status_line():
 
 
 def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_controller, qtbot, monkeypatch):
-    import engine.memory
+    import engine.planning.memory
 
     controller = make_controller()
     tiny = {"total": 8_000_000_000, "available": 50_000_000, "used": 7_950_000_000, "percent": 99.4,
             "pressure": "critical"}
-    monkeypatch.setattr(engine.memory, "system_memory", lambda: dict(tiny))
+    monkeypatch.setattr(engine.planning.memory, "system_memory", lambda: dict(tiny))
     errors = []
     controller.errorRaised.connect(errors.append)
     assert controller.send("What is the capital of France?")

@@ -10,7 +10,7 @@ import time
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
-from app.chat_window import ChatWindow
+from app.views.chat_window import ChatWindow
 
 
 def test_run_app_without_a_tray_is_a_window_that_quits_when_closed(qapp, tmp_path, monkeypatch,

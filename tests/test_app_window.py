@@ -214,7 +214,7 @@ def test_compression_slider_switches_live_and_the_panel_shows_the_drop(make_wind
     qtbot.waitUntil(lambda: controller.level_key == "4" and not controller.busy, timeout=WAIT_MS)
     reading = controller.refresh_memory()
     assert 0 < reading["kv_held"] < held_16 / 2
-    from engine.memory import format_bytes
+    from engine.planning.memory import format_bytes
 
     gauge = window.memory_panel.kv_gauge
     assert gauge.value_text == format_bytes(reading["kv_held"])

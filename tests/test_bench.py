@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.bench.common import (
+from benchmarks.harness.common import (
     SCHEMA,
     effective_bits_from_bytes,
     paired_difference,
@@ -20,11 +20,11 @@ from engine.bench.common import (
     windows,
     write_result,
 )
-from engine.bench.quality import combine_agreement, combine_needle, combine_perplexity, needle_prompt
-from engine.bench.specs import QUALITY_SPECS, SPEED_SPECS, parse_spec, parse_specs
+from benchmarks.harness.quality import combine_agreement, combine_needle, combine_perplexity, needle_prompt
+from benchmarks.harness.specs import QUALITY_SPECS, SPEED_SPECS, parse_spec, parse_specs
 from engine.errors import ConfigError
 from engine.kvcache.evaluate import teacher_forced_token_stats
-from engine.memory import array_bytes
+from engine.planning.memory import array_bytes
 from tests.test_kvcache_support import TINY_VOCAB, random_kv, tiny_llama
 
 
@@ -144,8 +144,8 @@ def test_default_spec_lists_are_valid_for_the_default_model() -> None:
 
 
 def test_level_specs_follow_the_level_table() -> None:
-    from engine.bench.cli import level_specs
-    from engine.recommend import LEVELS
+    from benchmarks.harness.cli import level_specs
+    from engine.planning.recommend import LEVELS
 
     specs = level_specs()
     compressed = [level for level in LEVELS if level.method not in ("fp16", "fp32")]
@@ -271,7 +271,7 @@ def test_result_files_and_report(tmp_path: Path) -> None:
     assert read_result(tmp_path, "quality", prefer_full=False)["quick"] is True
     assert read_result(tmp_path, "speed") is None
 
-    from engine.bench.report import write_report
+    from benchmarks.harness.report import write_report
 
     markdown = tmp_path / "BENCHMARKS.md"
     written = write_report(tmp_path, markdown, tmp_path / "figures")
@@ -306,7 +306,7 @@ def _check_tables(text: str) -> int:
 
 
 def _write_committed_report(tmp_path: Path) -> str:
-    from engine.bench.report import write_report
+    from benchmarks.harness.report import write_report
 
     markdown = tmp_path / "BENCHMARKS.md"
     write_report(COMMITTED, markdown, tmp_path / "figures")
@@ -323,7 +323,7 @@ def test_report_on_the_committed_results_without_matplotlib(tmp_path: Path, monk
     assert "![" not in text
     assert _check_tables(text) >= 10
     # Each section names the file it reads: the best available one (a full run over a quick one).
-    from engine.bench.report import load_results
+    from benchmarks.harness.report import load_results
 
     results = load_results(COMMITTED)
     for kind, part in (("quality", "perplexity"), ("quality", "needle"), ("quality", "agreement"), ("memory", None),
@@ -341,7 +341,7 @@ def test_report_on_the_committed_results_without_matplotlib(tmp_path: Path, monk
 
 def test_report_on_the_committed_results_with_figures(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from engine.bench.report import FIGURE_NAMES
+    from benchmarks.harness.report import FIGURE_NAMES
 
     text = _write_committed_report(tmp_path)
     for name in FIGURE_NAMES:
@@ -352,7 +352,7 @@ def test_report_on_the_committed_results_with_figures(tmp_path: Path) -> None:
 
 
 def test_report_prefers_full_runs_and_says_which_file(tmp_path: Path) -> None:
-    from engine.bench.report import load_results, write_report
+    from benchmarks.harness.report import load_results, write_report
 
     committed = json.loads((COMMITTED / "quality.json").read_text())
     quick = json.loads((COMMITTED / "quick" / "quality-quick.json").read_text())
@@ -376,7 +376,7 @@ def test_report_prefers_full_runs_and_says_which_file(tmp_path: Path) -> None:
     speed_part = text[text.index("## Speed (CPU)"):text.index("## Speed (GPU")]
     assert "`speed.json` (full run" in speed_part and "speed-quick.json" not in speed_part
     assert "`quick/quality-quick.json` (**quick run**" in text
-    assert "Not run yet (`python -m engine.bench.gpu`" in text
+    assert "Not run yet (`python -m benchmarks.harness.gpu`" in text
 
 
 def _readme_section() -> str:
@@ -387,7 +387,7 @@ def _readme_section() -> str:
 
 
 def test_readme_benchmark_block_is_what_the_report_generates() -> None:
-    from engine.bench.report import load_results, readme_block, readme_section
+    from benchmarks.harness.report import load_results, readme_block, readme_section
 
     block = readme_block(README.read_text())
     assert block, "README.md lost its benchmark markers"
@@ -400,8 +400,8 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     report.py's own look-ups; a number no check accounts for fails the test."""
     import re
 
-    from engine.bench import report
-    from engine.recommend import level_by_key
+    from benchmarks.harness import report
+    from engine.planning.recommend import level_by_key
 
     results = report.load_results(COMMITTED)
     quality = results.best("quality", "perplexity")
@@ -487,7 +487,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
 
 
 def test_same_cache_and_with_extra() -> None:
-    from engine.bench.specs import same_cache, with_extra
+    from benchmarks.harness.specs import same_cache, with_extra
 
     assert same_cache(parse_spec("turboquant:3"), parse_spec("turboquant:3/3:64"))
     assert same_cache(parse_spec("rotated:4:64"), parse_spec("rotated:4/4:64"))
@@ -506,7 +506,7 @@ def _row(spec: str, kl: float) -> dict:
 
 
 def test_level_rule_budgets_eligibility_and_ties() -> None:
-    from engine.bench.levels import budget_bits, select_levels
+    from benchmarks.harness.levels import budget_bits, select_levels
 
     assert budget_bits("rotated:4:64") == 4.5 and budget_bits("turboquant:3") == 3.125
     rows = [
@@ -523,10 +523,10 @@ def test_level_rule_budgets_eligibility_and_ties() -> None:
 
 
 def test_level_table_follows_the_committed_quality_sweep() -> None:
-    """engine.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
-    from engine.bench.common import ROOT
-    from engine.bench.levels import level_config, select_levels
-    from engine.recommend import level_by_key
+    """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
+    from benchmarks.harness.common import ROOT
+    from benchmarks.harness.levels import level_config, select_levels
+    from engine.planning.recommend import level_by_key
 
     committed = ROOT / "benchmarks" / "results" / "quality.json"
     rows = json.loads(committed.read_text())["perplexity"]["rows"]

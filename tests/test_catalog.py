@@ -12,7 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from engine.catalog import (
+from engine.errors import ModelError
+from engine.models.catalog import (
     DEFAULT_DOWNLOAD_NOTE,
     DEFAULT_MODEL_SPEC,
     ModelInfo,
@@ -25,8 +26,7 @@ from engine.catalog import (
     remove_model_folder,
     resolve_model,
 )
-from engine.default_model import default_model_dir
-from engine.errors import ModelError
+from engine.models.default_model import default_model_dir
 
 SMOLLM2_PARAMETERS = 134_515_008  # published count of SmolLM2-135M (tied embeddings)
 

@@ -1,4 +1,4 @@
-"""engine.cpu_attention: the Linux CPU fast path's attention equals MLX's, block by block and mask by mask."""
+"""engine.runtime.cpu.attention: the Linux CPU fast path's attention equals MLX's, block by block and mask by mask."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import cpu_attention
+from engine.chat.session import _default_cache_factory
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method
-from engine.session import _default_cache_factory
+from engine.runtime.cpu import attention as cpu_attention
 from tests.test_kvcache_support import tiny_llama
 
 needs_fast_path = pytest.mark.skipif(not cpu_attention.active(), reason="the Linux CPU fast path is off here")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import cpu_fastpath
+from engine.runtime.cpu import fastpath as cpu_fastpath
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 linux_x86_64_only = pytest.mark.skipif(
@@ -32,7 +32,7 @@ linux_x86_64_only = pytest.mark.skipif(
 MATMUL_SCRIPT = """
 import json, sys, time
 import numpy as np
-from engine.cpu_fastpath import enable_fast_blas, prefer_fp32_weights
+from engine.runtime.cpu.fastpath import enable_fast_blas, prefer_fp32_weights
 status = enable_fast_blas() if sys.argv[1] == "fast" else None
 import mlx.core as mx
 mx.set_default_device(mx.cpu)
@@ -112,7 +112,7 @@ def test_fast_matmul_matches_stock_and_is_faster(shared_data_dir: Path, tmp_path
 def test_libmlx_binds_its_blas_symbols_to_the_shim(shared_data_dir: Path) -> None:
     script = """
     import ctypes, json, sys
-    from engine.cpu_fastpath import enable_fast_blas
+    from engine.runtime.cpu.fastpath import enable_fast_blas
     status = enable_fast_blas()
     import mlx.core as mx
     mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
@@ -405,7 +405,7 @@ def test_one_row_products_through_mlx_match_numpy(shared_data_dir: Path) -> None
     script = """
     import json
     import numpy as np
-    from engine.cpu_fastpath import enable_fast_blas
+    from engine.runtime.cpu.fastpath import enable_fast_blas
     status = enable_fast_blas()
     import mlx.core as mx
     mx.set_default_device(mx.cpu)
@@ -436,7 +436,7 @@ def test_one_row_products_through_mlx_match_numpy(shared_data_dir: Path) -> None
 def test_env_switch_disables_the_fast_path(shared_data_dir: Path) -> None:
     script = """
     import json
-    from engine.cpu_fastpath import enable_fast_blas, prefer_fp32_weights
+    from engine.runtime.cpu.fastpath import enable_fast_blas, prefer_fp32_weights
     status = enable_fast_blas()
     import mlx.core as mx
     value = (mx.array([[1.0, 2.0]]) @ mx.array([[3.0], [4.0]])).item()
@@ -455,7 +455,7 @@ def test_too_late_after_mlx_import_is_reported_not_applied(shared_data_dir: Path
     script = """
     import json
     import mlx.core as mx
-    from engine.cpu_fastpath import enable_fast_blas, fast_blas_status
+    from engine.runtime.cpu.fastpath import enable_fast_blas, fast_blas_status
     first, second = enable_fast_blas(), enable_fast_blas()
     print(json.dumps({"enabled": first.enabled, "reason": first.reason, "same": first is second,
                       "recorded": fast_blas_status() is first}))
@@ -474,7 +474,7 @@ def test_broken_cached_shim_falls_back_to_stock(tmp_path: Path) -> None:
     script = """
     import json
     from pathlib import Path
-    from engine import cpu_fastpath
+    from engine.runtime.cpu import fastpath as cpu_fastpath
     path = cpu_fastpath._shim_cache_path(cpu_fastpath._find_scipy_openblas32())
     path.write_bytes(b"not an ELF file")
     status = cpu_fastpath.enable_fast_blas()
@@ -620,7 +620,7 @@ def test_prefer_fp32_weights_is_false_without_the_fast_path(monkeypatch: pytest.
 def test_transposed_layers_equal_plain_products_for_one_and_many_rows():
     """Weights stored transposed (fast one-token products): the same numbers as nn.Linear/nn.Embedding."""
     code = (
-        "from engine.cpu_fastpath import enable_fast_blas, _transposed_classes\n"
+        "from engine.runtime.cpu.fastpath import enable_fast_blas, _transposed_classes\n"
         "enable_fast_blas()\n"
         "import mlx.core as mx\n"
         "Linear, Embedding = _transposed_classes()\n"

@@ -15,7 +15,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from tokenizers.processors import TemplateProcessing
 
-from engine.documents import Document, count_tokens, load_document
+from engine.chat.documents import Document, count_tokens, load_document
 from engine.errors import DocumentError
 
 

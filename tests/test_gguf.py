@@ -10,9 +10,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from engine.default_model import GGUF_SHA256, default_gguf_path
 from engine.errors import ModelError
-from engine.gguf import _BLOCK_NAMES, _GLOBAL_NAMES, convert_gguf, read_gguf_header
+from engine.models.default_model import GGUF_SHA256, default_gguf_path
+from engine.models.gguf import _BLOCK_NAMES, _GLOBAL_NAMES, convert_gguf, read_gguf_header
 
 
 def test_header_of_the_real_file(default_model_path):

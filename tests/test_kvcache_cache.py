@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, reencode_caches
-from engine.memory import array_bytes
+from engine.planning.memory import array_bytes
 from tests.test_kvcache_support import (
     assert_save_and_load_round_trip_bit_exactly,
     assert_trim_drops_the_newest_tokens,
@@ -171,7 +171,7 @@ def test_reencode_caches_from_mlx_lm_and_between_methods() -> None:
         used = theirs.offset
         assert mx.array_equal(keys, theirs.keys[..., :used, :]) and mx.array_equal(values, theirs.values[..., :used, :])
     next_tokens = mx.array([[5, 6]])
-    # On the Linux CPU fast path our cache attends with engine.cpu_attention (float rounding apart).
+    # On the Linux CPU fast path our cache attends with engine.runtime.cpu.attention (float rounding apart).
     assert mx.allclose(model(next_tokens, cache=exact), model(next_tokens, cache=mlx_lm_caches), atol=1e-5)
     compressed = reencode_caches(exact, KVCacheConfig("rotated", 8, group_size=32, residual_window=4))
     assert compressed[1].offset == 122 and compressed[1].layer_index == 1

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, known_methods
-from engine.memory import array_bytes
+from engine.planning.memory import array_bytes
 
 PROSE = Path(__file__).parent / "data" / "prose_sample.txt"
 N_TOKENS = 2048

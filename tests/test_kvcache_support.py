@@ -203,7 +203,7 @@ def relative_error(actual: mx.array, expected: mx.array) -> float:
 def real_model_dir() -> Path | None:
     """The converted default model folder, or None when it has not been prepared on this machine."""
     try:
-        from engine.default_model import default_model_dir, is_default_model_ready
+        from engine.models.default_model import default_model_dir, is_default_model_ready
     except ImportError:
         return None
     return default_model_dir() if is_default_model_ready() else None

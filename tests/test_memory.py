@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.memory import (
+from engine.planning.memory import (
     MemorySnapshot,
     array_bytes,
     format_bytes,

@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine.catalog import DEFAULT_MODEL_SPEC, ModelInfo
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
-from engine.recommend import (
+from engine.models.catalog import DEFAULT_MODEL_SPEC, ModelInfo
+from engine.planning.recommend import (
     LEVEL_KEYS,
     LEVEL_TABLE,
     LEVELS,
@@ -216,7 +216,7 @@ def test_model_without_a_shape_is_an_error() -> None:
 
 def test_importing_does_not_load_mlx() -> None:
     """The app imports this before the MLX runtime is prepared, so it must not import MLX itself."""
-    code = "import sys, engine.recommend; print('mlx' in sys.modules)"
+    code = "import sys, engine.planning.recommend; print('mlx' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=True
     )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.documents import Document
+from engine.chat.documents import Document
+from engine.chat.session import ChatSession, GenerationSettings, GenerationStats, PrefillProgress, TextChunk
 from engine.errors import ContextOverflowError
-from engine.session import ChatSession, GenerationSettings, GenerationStats, PrefillProgress, TextChunk
 
 
 def run(session: ChatSession, text: str, **kwargs) -> tuple[str, GenerationStats]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.chat.session import ChatSession, GenerationSettings, GenerationStats, TextChunk
 from engine.errors import ConfigError
 from engine.kvcache import KVCacheConfig
-from engine.memory import kv_cache_bytes
-from engine.session import ChatSession, GenerationSettings, GenerationStats, TextChunk
+from engine.planning.memory import kv_cache_bytes
 
 
 def run(session: ChatSession, text: str) -> tuple[str, GenerationStats]:

@@ -14,8 +14,8 @@ import pytest
 
 from app.settings import Settings, load_settings, save_settings, settings_path
 from app.store import SCHEMA_VERSION, ConversationStore, StoreError, to_session_history
-from engine.documents import Document
-from engine.session import GenerationStats, Message
+from engine.chat.documents import Document
+from engine.chat.session import GenerationStats, Message
 
 REPO_ROOT = Path(__file__).parent.parent
 
@@ -74,7 +74,7 @@ def test_round_trip(db_path: Path) -> None:
 
 def test_restored_history_renders_the_same_prompt(db_path: Path, smollm) -> None:
     """A conversation restored from disk gives the model exactly the prompt it saw before."""
-    from engine.session import ChatSession
+    from engine.chat.session import ChatSession
 
     model, tokenizer, _ = smollm
     original = [

@@ -25,10 +25,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 from mlx_lm.models.cache import create_attention_mask as _mlx_create_attention_mask
 
-from engine import cpu_attention
 from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
 from engine.kvcache.config import KVCacheConfig
+from engine.runtime.cpu import attention as cpu_attention
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

@@ -105,7 +105,7 @@ class TokenStats:
     kl: np.ndarray  # KL(reference || this) over the vocabulary at that position
     top1_agrees: np.ndarray  # bool: this argmax == the reference's argmax
     seconds: float
-    held_bytes: int  # bytes of every array the cache holds at the end (engine.memory.array_bytes)
+    held_bytes: int  # bytes of every array the cache holds at the end (engine.planning.memory.array_bytes)
 
 
 def teacher_forced_token_stats(
@@ -165,7 +165,9 @@ def teacher_forced_token_stats(
             parts[name]["nll"].append(nll)
             parts[name]["kl"].append(kl)
             parts[name]["top1"].append(agrees)
-    from engine.memory import array_bytes  # late: engine.memory needs psutil, only this function uses it
+    from engine.planning.memory import (
+        array_bytes,  # late: engine.planning.memory needs psutil, only this function uses it
+    )
 
     return {
         name: TokenStats(

@@ -5,8 +5,8 @@ path). On the CPU backend models compute in float32, so each step this cache han
 converted to float32 (one cast of the history per layer and step, like a dequantize); memory is still
 16 bits per value. "fp32" stores float32 exactly and needs no conversion on CPU, at twice the memory.
 Both use mlx-lm's own attention (mx.fast.scaled_dot_product_attention), except on the Linux CPU fast path
-(`engine.cpu_attention.active()`), where MLX has no fused attention kernel: there they attend over their
-own buffers with `engine.cpu_attention.grouped_attention` through the attention hook, like the compressed
+(`engine.runtime.cpu.attention.active()`), where MLX has no fused attention kernel: there they attend over their
+own buffers with `engine.runtime.cpu.attention.grouped_attention` through the attention hook, like the compressed
 caches (`bits` then exists, which is what routes mlx-lm to the hook).
 """
 
@@ -17,12 +17,12 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from engine import cpu_attention
 from engine.errors import ConfigError
 from engine.kvcache.attention import AttendsOverOwnStorage, install_attention_dispatch
 from engine.kvcache.base import VeloxKVCache, _grow_to, sixteen_bit_dtype
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import register_method
+from engine.runtime.cpu import attention as cpu_attention
 
 
 class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):

@@ -1,0 +1,113 @@
+"""The menu-bar (macOS) or tray (Linux, Windows) icon.
+
+A click shows or hides the chat window. Off macOS the icon also has a context menu: the model, the
+compression level, a one-line memory readout, and Quit. On macOS a context menu on an icon whose click opens
+a window swallows that click, so there the icon has no menu: the same commands live in the window's menu
+bar. The macOS icon is a template image (black + alpha), which the system tints for light and dark menu bars.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject
+from PySide6.QtGui import QAction, QActionGroup, QIcon
+from PySide6.QtWidgets import QMenu, QSystemTrayIcon, QWidget
+
+RESOURCES = Path(__file__).resolve().parents[2] / "resources"
+IS_MAC = sys.platform == "darwin"
+
+
+def tray_icon_image() -> QIcon:
+    if IS_MAC:
+        icon = QIcon()
+        icon.addFile(str(RESOURCES / "VeloxTrayTemplate.png"))
+        icon.addFile(str(RESOURCES / "VeloxTrayTemplate@2x.png"))
+        icon.setIsMask(True)  # a template image: macOS recolours it
+        return icon
+    # Linux panels may be light or dark: a black template could vanish, so use the coloured app icon.
+    return QIcon(str(RESOURCES / "velox-icon-64.png"))
+
+
+class TrayIcon(QObject):
+    """Owns the QSystemTrayIcon; `controller` is the ChatController, `window` the ChatWindow."""
+
+    def __init__(self, controller: Any, window: QWidget, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.controller = controller
+        self.window = window
+        self.tray = QSystemTrayIcon(tray_icon_image(), self)
+        self.tray.setToolTip("Velox")
+        self.tray.activated.connect(self._activated)
+        self.menu: QMenu | None = None
+        if not IS_MAC:
+            self.menu = self._build_menu()
+            self.tray.setContextMenu(self.menu)
+        controller.memoryUpdated.connect(self._refresh_tooltip)
+        self.tray.show()
+
+    def _build_menu(self) -> QMenu:
+        menu = QMenu()
+        menu.addAction("Open Velox", self.show_window)
+        menu.addSeparator()
+        self.model_action = QAction("Model: loading…", menu)
+        self.model_action.setEnabled(False)
+        menu.addAction(self.model_action)
+        menu.addAction("Choose Model…", self._choose_model)
+        compression = menu.addMenu("Compression")
+        self.compression_group = QActionGroup(menu)
+        for level in self.controller.levels():
+            action = QAction(level["label"], compression, checkable=True)
+            action.setData(level["key"])
+            action.triggered.connect(lambda _checked=False, key=level["key"]: self._choose_level(key))
+            self.compression_group.addAction(action)
+            compression.addAction(action)
+        self.memory_action = QAction("Memory: reading…", menu)
+        self.memory_action.setEnabled(False)
+        menu.addAction(self.memory_action)
+        menu.addSeparator()
+        menu.addAction("Quit Velox", self._quit)
+        menu.aboutToShow.connect(self._refresh_menu)
+        return menu
+
+    def _refresh_menu(self) -> None:
+        model = self.controller.model
+        self.model_action.setText(f"Model: {model['name']}" if model else "Model: loading…")
+        for action in self.compression_group.actions():
+            action.setChecked(action.data() == self.controller.level_key)
+        self.memory_action.setText(self.controller.memory_line())
+
+    def _refresh_tooltip(self, _reading: dict[str, Any]) -> None:
+        model = self.controller.model
+        name = model["name"] if model else "no model"
+        self.tray.setToolTip(f"Velox — {name}\n{self.controller.memory_line()}")
+
+    def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
+            self.toggle_window()
+
+    def toggle_window(self) -> None:
+        if self.window.isVisible() and self.window.isActiveWindow():
+            self.window.hide()
+        else:
+            self.show_window()
+
+    def show_window(self) -> None:
+        self.window.show()
+        self.window.raise_()
+        self.window.activateWindow()
+
+    def _choose_model(self) -> None:
+        self.show_window()
+        self.window.open_model_picker()
+
+    def _choose_level(self, key: str) -> None:
+        self.window.compression.choose(key)
+
+    def _quit(self) -> None:
+        self.window.quit_app()
+
+    def hide(self) -> None:
+        self.tray.hide()

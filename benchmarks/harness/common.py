@@ -1,0 +1,234 @@
+"""Things every benchmark shares: where files are, the machine record, prose, JSON, and the statistics."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA = "velox-bench/1"
+# The repository root when running from a checkout (benchmarks/harness/common.py -> parents[2]).
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+PROSE_FILES = ("botchan.txt", "areopagitica.txt")
+# Paired differences are averaged in blocks of this many consecutive scored tokens before the standard
+# error is taken: neighbouring tokens' errors are correlated, so a per-token SE would be too small.
+SE_BLOCK_TOKENS = 64
+
+
+def in_checkout() -> bool:
+    return (ROOT / "pyproject.toml").is_file() and (ROOT / "engine").is_dir()
+
+
+def default_out_dir() -> Path:
+    """benchmarks/results of the checkout, or ./velox-bench when Velox runs from an installed package."""
+    return ROOT / "benchmarks" / "results" if in_checkout() else Path.cwd() / "velox-bench"
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on every platform
+        return []
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts recorded with every run, so a number can be traced to the machine and code that made it."""
+    import mlx.core as mx
+
+    info: dict[str, Any] = {
+        "platform": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15": load_average(),
+        "mlx": getattr(mx, "__version__", "unknown"),
+        "device": str(mx.default_device()),
+    }
+    try:
+        import mlx_lm
+
+        info["mlx_lm"] = getattr(mlx_lm, "__version__", "unknown")
+    except ImportError:
+        pass
+    try:
+        from engine.runtime import runtime_status
+
+        info["cpu_fast_path"] = runtime_status().get("cpu fast path", "")
+    except Exception as error:  # the record must not fail the run
+        info["cpu_fast_path"] = f"unknown ({type(error).__name__})"
+    try:
+        import psutil
+
+        info["memory_total_bytes"] = int(psutil.virtual_memory().total)
+    except ImportError:
+        pass
+    info["git_commit"] = git_commit()
+    return info
+
+
+def git_commit() -> str:
+    if not (ROOT / ".git").exists():
+        return ""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+uncommitted" if dirty else "")
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def result_name(kind: str, quick: bool) -> str:
+    return f"{kind}{'-quick' if quick else ''}.json"
+
+
+def write_result(out_dir: Path, kind: str, quick: bool, payload: dict[str, Any]) -> Path:
+    """Write one run's JSON (schema, kind, time and machine added) and return its path."""
+    folder = _result_folder(out_dir, quick)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"schema": SCHEMA, "kind": kind, "quick": quick, "created": now(), **payload}
+    path = folder / result_name(kind, quick)
+    path.write_text(json.dumps(record, indent=1, default=_json_default) + "\n", encoding="utf-8")
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"Cannot write {type(value).__name__} to JSON.")
+
+
+def _result_folder(out_dir: Path, quick: bool) -> Path:
+    """Quick runs live in `quick/` under the results folder, so they never sit beside the full ones."""
+    return out_dir / "quick" if quick else out_dir
+
+
+def read_result(out_dir: Path, kind: str, prefer_full: bool = True) -> dict[str, Any] | None:
+    """The full run's JSON of `kind` if present (else the quick one), or None."""
+    order = (False, True) if prefer_full else (True, False)
+    for quick in order:
+        path = _result_folder(out_dir, quick) / result_name(kind, quick)
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----- prose ------------------------------------------------------------------------------------------
+
+
+def prose_paths(text_paths: Sequence[str | Path] = ()) -> list[Path]:
+    """The prose to benchmark on: the paths given, else ../shared/data/{botchan,areopagitica}.txt."""
+    if text_paths:
+        paths = [Path(p).expanduser() for p in text_paths]
+    else:
+        paths = [SHARED_DATA / name for name in PROSE_FILES if (SHARED_DATA / name).is_file()]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing or not paths:
+        from engine.errors import ConfigError
+
+        raise ConfigError(
+            f"No benchmark prose found ({', '.join(missing) or SHARED_DATA}); pass a text file with --text."
+        )
+    return paths
+
+
+def prose_token_streams(tokenizer: Any, paths: Sequence[Path]) -> dict[str, list[int]]:
+    """Each text's token ids (no special tokens), keyed by file name."""
+    streams = {}
+    for path in paths:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        streams[path.name] = list(tokenizer.encode(text, add_special_tokens=False))
+    return streams
+
+
+def windows(streams: dict[str, list[int]], length: int, per_text: int) -> list[tuple[str, int, list[int]]]:
+    """`per_text` windows of `length` tokens from each text, evenly spaced after its first 5%
+    (past licence headers and title pages): (text name, start, tokens)."""
+    chosen = []
+    for name, ids in streams.items():
+        first = len(ids) // 20
+        room = len(ids) - first - length
+        if room < 0:
+            continue
+        for index in range(per_text):
+            start = first + (room * index // max(per_text - 1, 1) if per_text > 1 else room // 2)
+            chosen.append((name, start, ids[start : start + length]))
+    return chosen
+
+
+# ----- statistics ---------------------------------------------------------------------------------------
+
+
+def paired_difference(values: np.ndarray, reference: np.ndarray, block: int = SE_BLOCK_TOKENS) -> dict[str, float]:
+    """Mean of values - reference and its standard error from non-overlapping block means (batch means).
+
+    With fewer than two whole blocks the per-token SE is returned instead (flagged by `blocks` = 0)."""
+    diff = np.asarray(values, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    if diff.size == 0:
+        raise ValueError("No paired values.")
+    n_blocks = diff.size // block
+    if n_blocks >= 2:
+        means = diff[: n_blocks * block].reshape(n_blocks, block).mean(axis=1)
+        se = float(means.std(ddof=1) / np.sqrt(n_blocks))
+    else:
+        se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else float("nan")
+        n_blocks = 0
+    return {"mean": float(diff.mean()), "se": se, "n": int(diff.size), "blocks": int(n_blocks)}
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes, where lower is better on both
+    (x = bits per value, y = quality loss), sorted by x. Ties: the first of identical points is kept."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1], i))
+    front: list[int] = []
+    best_y = float("inf")
+    for index in order:
+        if points[index][1] < best_y:
+            front.append(index)
+            best_y = points[index][1]
+    return front
+
+
+def effective_bits_from_bytes(held_bytes: float, n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int) -> float:
+    """Bits per cached key/value element implied by the bytes a cache holds for `n_tokens` tokens."""
+    values = n_tokens * 2 * n_layers * n_kv_heads * head_dim
+    if values <= 0:
+        raise ValueError("Need a positive number of cached values.")
+    return held_bytes * 8 / values
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of timing samples (and how many)."""
+    array = np.asarray(list(samples), dtype=np.float64)
+    if array.size == 0:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {
+        "median": float(np.median(array)),
+        "min": float(array.min()),
+        "max": float(array.max()),
+        "n": int(array.size),
+    }

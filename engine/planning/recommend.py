@@ -1,0 +1,415 @@
+"""Which KV cache compression level to use for a model, a context length and the memory at hand.
+
+The five levels a person chooses from ("Off", 8, 4, 3, 2 bits) are defined by ONE table, `LEVEL_TABLE`,
+right below. Everything else (labels in the app, memory estimates, the recommendation) is derived from it.
+
+Memory model (all in bytes; `fit_verdicts` reports each term so the app can show the breakdown):
+
+    weights  +  KV cache  +  working memory                <=  safety_fraction x available
+    weights:        `info.bytes_on_disk` by default (the packed weights as stored); pass `weights_bytes`
+                    when they live in memory at another size (see `resident_weights_bytes`), or 0 when the
+                    model is already loaded (its memory is then no longer "available").
+    KV cache:       n_tokens x 2 (K and V) x layers x kv_heads x head_dim x effective_bits / 8.
+    working memory: RUNTIME_OVERHEAD_BYTES (MLX buffers, Python, the GUI) + the attention scores of one
+                    prefill chunk in one layer (prefill_chunk x n_tokens x attention_heads x 4 bytes: they
+                    are materialised in fp32, measured on the CPU: a 512-token chunk against 16k cached
+                    tokens with 32 heads peaked at 1.09 GB for 1.07 GB of scores) + the fp32 logits of one
+                    chunk (prefill_chunk x vocab x 4 bytes; mlx-lm computes logits for every position).
+
+At long contexts the scores of a prefill chunk can outweigh the cache itself (Llama-3.1-8B at 128k tokens
+with 512-token chunks: 8.6 GB), so `prefill_chunk` is a parameter: a smaller chunk is the cheap way to fit.
+
+This module imports neither MLX nor Qt at import time (the app imports it before the MLX runtime is set
+up); the KV cache registry, which imports MLX, is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.errors import ConfigError, MemoryBudgetError, ModelError
+
+if TYPE_CHECKING:
+    from engine.kvcache.config import KVCacheConfig
+    from engine.models.catalog import ModelInfo
+
+# ---------------------------------------------------------------------------------------- the level table
+#
+# THIS TABLE FOLLOWS THE COMMITTED BENCHMARK OUTPUT: `benchmarks.harness.levels.select_levels` picks each level
+# from benchmarks/results/quality.json (the configuration with the lowest mean KL(fp16 || cache) within the
+# level's budget of effective bits, among methods that attend on the packed codes directly), and
+# tests/test_bench.py fails when this table and that choice disagree. BENCHMARKS.md shows the candidates.
+# Rows run from the highest precision to the lowest; `recommend` relies on that order.
+#
+#  key    label            method     key_bits value_bits group residual_window  quality note
+LEVEL_TABLE: tuple[tuple[str, str, str, int, int, int, int, str], ...] = (
+    ("16", "Off (16-bit)", "fp16", 16, 16, 64, 0, "uncompressed"),
+    # Measured on SmolLM2 over 2 x 4096 tokens of prose (second halves scored): Δ NLL vs fp16 +0.0005,
+    ("8", "8-bit", "kivi", 8, 8, 64, 0, "practically lossless"),
+    # +0.030 nats (perplexity +3.1%; rotated 4-bit at the same bytes: +6.9%, mlx-lm's Q4: +12.6%),
+    ("4", "4-bit", "kivi", 4, 4, 64, 0, "small quality loss"),
+    # +0.133 nats (+14%),
+    ("3", "3-bit", "kivi", 3, 3, 64, 0, "noticeable quality loss"),
+    # +0.99 nats (perplexity x2.7): nothing that attends on packed codes does well at 2.5 bits per value.
+    ("2", "2-bit", "kivi", 2, 2, 64, 0, "poor quality: answers may be wrong or garbled"),
+)
+
+# The uncompressed level is recommended when its cache takes less than this share of available memory:
+# compression then saves little and costs some quality and speed.
+SMALL_CACHE_FRACTION = 0.05
+# Share of available memory the planner lets model + cache + working memory use; the rest is headroom for
+# the OS, other apps and estimation error.
+DEFAULT_SAFETY_FRACTION = 0.8
+# MLX's allocator buffers, the Python interpreter, tokenizer and the GUI: measured roughly (the app's
+# process with nothing loaded is ~200 MB resident), rounded up.
+RUNTIME_OVERHEAD_BYTES = 300_000_000
+# Tokens per prefill step; the same default as engine.chat.session.GenerationSettings.prefill_chunk (not
+# imported from there because engine.chat.session imports MLX).
+DEFAULT_PREFILL_CHUNK = 512
+# Attention scores and logits are computed in fp32 (activations stay fp32 on the CPU; on a GPU this is an
+# upper bound).
+_ACTIVATION_BYTES = 4
+# The fallback formula's per-group overhead: an fp16 scale and an fp16 bias per group of channels.
+_SCALE_AND_BIAS_BITS = 32
+# A head_dim every group size divides, for the model-independent `CompressionLevel.effective_bits`.
+_REFERENCE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class CompressionLevel:
+    """One row of `LEVEL_TABLE`: what a person picks, and the KV cache configuration it stands for."""
+
+    key: str
+    label: str
+    method: str
+    key_bits: int
+    value_bits: int
+    group_size: int
+    residual_window: int = 0
+    quality_note: str = ""
+
+    @property
+    def effective_bits(self) -> float:
+        """Bits stored per cached value, scales/biases/norms included, in the long-context limit.
+
+        Taken from the KV cache registry's exact formula; if the registry cannot be imported, the documented
+        fallback: fp16 = 16, affine-style = mean(key_bits, value_bits) + 32 / group_size.
+        """
+        return self.bits_per_value(_REFERENCE_HEAD_DIM)
+
+    def bits_per_value(self, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1) -> float:
+        """Effective bits per cached value for a model with `head_dim`, amortising 16-bit window tokens and
+        per-layer constants over `n_tokens` (None: the long-context limit). ConfigError if the level's
+        configuration does not suit `head_dim` (e.g. the group size does not divide it)."""
+        try:
+            from engine.kvcache.registry import get_method
+        except ImportError:
+            return self._fallback_bits(head_dim)
+        method_class = get_method(self.method)
+        return float(method_class.effective_bits_per_value(self.to_config(), head_dim, n_tokens, n_kv_heads))
+
+    def _fallback_bits(self, head_dim: int) -> float:
+        if self.method in ("fp16", "bf16"):
+            return 16.0
+        if self.method == "fp32":
+            return 32.0
+        if self.method in ("affine", "rotated", "kivi"):
+            if head_dim % self.group_size:
+                raise ConfigError(
+                    f"The {self.label} level quantizes groups of {self.group_size} channels, which does not "
+                    f"divide head_dim {head_dim}."
+                )
+            return (self.key_bits + self.value_bits) / 2 + _SCALE_AND_BIAS_BITS / self.group_size
+        raise ConfigError(f"The size of KV cache method {self.method!r} is unknown without the registry.")
+
+    def to_config(self) -> KVCacheConfig:
+        """The KVCacheConfig this level stands for."""
+        from engine.kvcache.config import KVCacheConfig
+
+        return KVCacheConfig(
+            method=self.method,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            group_size=self.group_size,
+            residual_window=self.residual_window,
+        )
+
+
+LEVELS: tuple[CompressionLevel, ...] = tuple(CompressionLevel(*row) for row in LEVEL_TABLE)
+LEVEL_KEYS: tuple[str, ...] = tuple(level.key for level in LEVELS)
+# The lowest level is only recommended when nothing else fits (see `recommend`).
+LAST_RESORT_LEVEL_KEY = LEVELS[-1].key
+UNCOMPRESSED_LEVEL_KEY = LEVELS[0].key
+
+
+def level_by_key(key: str) -> CompressionLevel:
+    """The level with this key ('16', '8', '4', '3', '2'); ConfigError naming the valid keys otherwise."""
+    for level in LEVELS:
+        if level.key == key:
+            return level
+    raise ConfigError(f"Unknown compression level {key!r}; use one of {', '.join(LEVEL_KEYS)}.")
+
+
+def _as_level(level: CompressionLevel | str) -> CompressionLevel:
+    return level if isinstance(level, CompressionLevel) else level_by_key(level)
+
+
+def _format_bytes(n: float) -> str:
+    # engine.planning.memory imports MLX at import time; load it only when a sentence is built.
+    from engine.planning.memory import format_bytes
+
+    return format_bytes(n)
+
+
+def _check_shape(info: ModelInfo) -> None:
+    if info.layers <= 0 or info.kv_heads <= 0 or info.head_dim <= 0:
+        raise ModelError(
+            f"The model {info.name} does not say its shape (layers, KV heads, head size), "
+            "so the memory its KV cache needs cannot be estimated."
+        )
+
+
+# ---------------------------------------------------------------------------------------------- sizing
+
+
+def cache_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str) -> int:
+    """Bytes of KV cache `n_tokens` tokens take at `level`:
+    n_tokens x 2 x layers x kv_heads x head_dim x effective_bits / 8 (rounded up)."""
+    _check_shape(info)
+    if n_tokens <= 0:
+        return 0
+    bits = _as_level(level).bits_per_value(info.head_dim, n_tokens, info.kv_heads)
+    return math.ceil(n_tokens * 2 * info.layers * info.kv_heads * info.head_dim * bits / 8)
+
+
+def working_bytes(info: ModelInfo, n_tokens: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Memory besides weights and cache: runtime overhead + one chunk's attention scores + its logits."""
+    chunk = max(1, min(prefill_chunk, n_tokens)) if n_tokens > 0 else 0
+    heads = info.attention_heads or info.kv_heads
+    scores = chunk * max(n_tokens, 0) * heads * _ACTIVATION_BYTES
+    logits = chunk * info.vocab_size * _ACTIVATION_BYTES
+    return RUNTIME_OVERHEAD_BYTES + scores + logits
+
+
+def resident_weights_bytes(info: ModelInfo, *, fp32_weights: bool = False) -> int:
+    """Bytes the weights occupy once loaded: their size on disk, or parameters x 4 when the loader expands
+    them to fp32 (the Linux CPU fast path: engine.runtime.cpu.fastpath.prefer_fp32_weights())."""
+    if fp32_weights and info.parameters > 0:
+        return info.parameters * 4
+    return info.bytes_on_disk
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """Whether a context of `n_tokens` fits in memory at one level, with every term of the sum."""
+
+    level: CompressionLevel
+    n_tokens: int
+    cache_bytes: int  # 0 when the level is not supported
+    weights_bytes: int
+    working_bytes: int
+    needed_bytes: int  # weights + cache + working memory
+    budget_bytes: int  # safety_fraction x available
+    available_bytes: int
+    safety_fraction: float
+    supported: bool  # False when the level's configuration does not suit this model
+    fits: bool  # supported and needed <= budget
+    exceeds_context: bool  # n_tokens is more than the model's context window holds
+    message: str
+
+    @property
+    def missing_bytes(self) -> int:
+        """How much more *available* memory would make this level fit (0 if it fits)."""
+        if self.fits or not self.supported:
+            return 0
+        # One byte more than the exact quotient so float rounding in the budget can never leave it short.
+        return max(0, math.ceil(self.needed_bytes / self.safety_fraction) + 1 - max(self.available_bytes, 0))
+
+
+def fit_verdicts(
+    info: ModelInfo,
+    n_tokens: int,
+    available_bytes: int,
+    *,
+    weights_bytes: int | None = None,
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> list[FitVerdict]:
+    """For every level (highest precision first): the cache size, whether weights + cache + working memory
+    fit in `safety_fraction` of `available_bytes`, whether `n_tokens` exceeds the model's context, and a
+    sentence such as 'fits at 4-bit: 310 MB of cache'."""
+    _check_shape(info)
+    if not 0 < safety_fraction <= 1:
+        raise ValueError(f"safety_fraction must be in (0, 1], not {safety_fraction}.")
+    weights = info.bytes_on_disk if weights_bytes is None else weights_bytes
+    working = working_bytes(info, n_tokens, prefill_chunk)
+    budget = math.floor(safety_fraction * max(available_bytes, 0))
+    exceeds_context = info.max_context > 0 and n_tokens > info.max_context
+    verdicts = []
+    for level in LEVELS:
+        common = dict(
+            level=level, n_tokens=n_tokens, weights_bytes=weights, working_bytes=working, budget_bytes=budget,
+            available_bytes=available_bytes, safety_fraction=safety_fraction, exceeds_context=exceeds_context,
+        )
+        try:
+            cache = cache_bytes(info, n_tokens, level)
+        except ConfigError as error:
+            message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
+            verdicts.append(
+                FitVerdict(**common, cache_bytes=0, needed_bytes=0, supported=False, fits=False, message=message)
+            )
+            continue
+        needed = weights + cache + working
+        fits = needed <= budget
+        if fits:
+            message = f"fits at {level.label}: {_format_bytes(cache)} of cache"
+        else:
+            message = (
+                f"does not fit at {level.label}: needs {_format_bytes(needed)} (model {_format_bytes(weights)}"
+                f" + cache {_format_bytes(cache)} + working memory {_format_bytes(working)}), "
+                f"{_format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
+            )
+        if exceeds_context:
+            message += f" (but {n_tokens} tokens exceed the model's {info.max_context}-token context)"
+        verdicts.append(
+            FitVerdict(**common, cache_bytes=cache, needed_bytes=needed, supported=True, fits=fits, message=message)
+        )
+    return verdicts
+
+
+# ------------------------------------------------------------------------------------------ recommending
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The level to use (None when nothing fits) and why, in one or two sentences."""
+
+    level: CompressionLevel | None
+    reason: str
+    n_tokens: int  # the context the recommendation was made for (capped at the model's context)
+    context_capped: bool  # the requested context was longer than the model's and was capped
+    verdicts: tuple[FitVerdict, ...] = ()
+
+
+def recommend(
+    info: ModelInfo,
+    context_tokens: int,
+    available_bytes: int,
+    *,
+    weights_bytes: int | None = None,
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> Recommendation:
+    """The compression level for `context_tokens` of context with `available_bytes` of free memory.
+
+    Rules, in order: the uncompressed level when it fits and its cache is under SMALL_CACHE_FRACTION of
+    available memory; otherwise the highest-precision compressed level that fits, except the last-resort
+    (2-bit) level, which is chosen only when nothing else fits; otherwise None, saying how much memory is
+    missing. A context longer than the model's is capped at the model's (the cache never holds more).
+    """
+    _check_shape(info)
+    context_capped = info.max_context > 0 and context_tokens > info.max_context
+    n_tokens = min(context_tokens, info.max_context) if context_capped else context_tokens
+    verdicts = fit_verdicts(
+        info, n_tokens, available_bytes, weights_bytes=weights_bytes, safety_fraction=safety_fraction,
+        prefill_chunk=prefill_chunk,
+    )
+    by_key = {verdict.level.key: verdict for verdict in verdicts}
+    cap_note = (
+        f"The model's context holds {info.max_context} tokens, so only that many of the {context_tokens} "
+        "requested can be cached; the rest must be dropped or truncated. "
+        if context_capped
+        else ""
+    )
+
+    def result(level: CompressionLevel | None, reason: str) -> Recommendation:
+        return Recommendation(level, cap_note + reason, n_tokens, context_capped, tuple(verdicts))
+
+    uncompressed = by_key[UNCOMPRESSED_LEVEL_KEY]
+    if uncompressed.fits and uncompressed.cache_bytes < SMALL_CACHE_FRACTION * available_bytes:
+        return result(
+            uncompressed.level,
+            f"{n_tokens} tokens need only {_format_bytes(uncompressed.cache_bytes)} of cache uncompressed "
+            f"(under {SMALL_CACHE_FRACTION:.0%} of the {_format_bytes(available_bytes)} free), "
+            "so compression would cost quality for no real gain.",
+        )
+    for verdict in verdicts:
+        if verdict.level.key == UNCOMPRESSED_LEVEL_KEY or verdict.level.key == LAST_RESORT_LEVEL_KEY:
+            continue
+        if verdict.fits:
+            return result(
+                verdict.level,
+                f"{verdict.level.label} ({verdict.level.quality_note}) is the most precise level that fits: "
+                f"{_format_bytes(verdict.cache_bytes)} of cache for {n_tokens} tokens, "
+                f"{_format_bytes(verdict.needed_bytes)} in all of {_format_bytes(available_bytes)} free"
+                + (
+                    f" (uncompressed it would be {_format_bytes(uncompressed.cache_bytes)})."
+                    if uncompressed.supported
+                    else "."
+                ),
+            )
+    if uncompressed.fits:  # only reached when no compressed level suits this model's head size
+        return result(
+            uncompressed.level,
+            f"No compressed level suits this model's head size, and uncompressed "
+            f"{_format_bytes(uncompressed.cache_bytes)} of cache for {n_tokens} tokens fits.",
+        )
+    last_resort = by_key[LAST_RESORT_LEVEL_KEY]
+    if last_resort.fits:
+        return result(
+            last_resort.level,
+            f"Only {last_resort.level.label} fits ({_format_bytes(last_resort.cache_bytes)} of cache for "
+            f"{n_tokens} tokens), and its quality is poor: answers may be wrong or garbled. A shorter "
+            "document or more free memory allows a better level.",
+        )
+    supported = [verdict for verdict in verdicts if verdict.supported]
+    if not supported:
+        return result(None, "No compression level suits this model's shape: " + verdicts[-1].message + ".")
+    smallest = min(supported, key=lambda verdict: verdict.needed_bytes)
+    return result(
+        None,
+        f"Nothing fits: even at {smallest.level.label} the model and {n_tokens} tokens of context need "
+        f"{_format_bytes(smallest.needed_bytes)} (model {_format_bytes(smallest.weights_bytes)} + cache "
+        f"{_format_bytes(smallest.cache_bytes)} + working memory {_format_bytes(smallest.working_bytes)}), "
+        f"but only {_format_bytes(smallest.budget_bytes)} of the {_format_bytes(available_bytes)} free may be "
+        f"used; {_format_bytes(smallest.missing_bytes)} more free memory, a shorter context or a smaller "
+        "prefill chunk is needed.",
+    )
+
+
+def check_fits(
+    info: ModelInfo,
+    n_tokens: int,
+    level: CompressionLevel | str,
+    available_bytes: int,
+    *,
+    weights_bytes: int | None = None,
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> FitVerdict:
+    """The verdict for `level`; raises MemoryBudgetError when it does not fit, so the work is refused
+    before the OS kills the process. ConfigError if the level does not suit the model."""
+    chosen = _as_level(level)
+    verdict = next(
+        verdict
+        for verdict in fit_verdicts(
+            info, n_tokens, available_bytes, weights_bytes=weights_bytes, safety_fraction=safety_fraction,
+            prefill_chunk=prefill_chunk,
+        )
+        if verdict.level.key == chosen.key
+    )
+    if not verdict.supported:
+        raise ConfigError(f"The {chosen.label} KV cache level cannot be used with {info.name}: {verdict.message}.")
+    if not verdict.fits:
+        raise MemoryBudgetError(
+            f"{n_tokens} tokens of context for {info.name} at {chosen.label} would need "
+            f"{_format_bytes(verdict.needed_bytes)} (model {_format_bytes(verdict.weights_bytes)} + cache "
+            f"{_format_bytes(verdict.cache_bytes)} + working memory {_format_bytes(verdict.working_bytes)}) "
+            f"but only {_format_bytes(verdict.budget_bytes)} of the {_format_bytes(available_bytes)} free can "
+            f"be used safely; choose a stronger compression level, a shorter context or free "
+            f"{_format_bytes(verdict.missing_bytes)} of memory."
+        )
+    return verdict
+
