@@ -8,10 +8,13 @@ MLX is imported only through `engine`, and only after the optional Linux CPU fas
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from app.logs import log_path, setup_logging, unexpected_error_line
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -204,6 +207,7 @@ def _info() -> int:
           f"({snap.pressure}); this process {format_bytes(snap.process_rss)}")
     print(f"MLX memory: active {format_bytes(snap.mlx_active)}, peak {format_bytes(snap.mlx_peak)}, "
           f"cache {format_bytes(snap.mlx_cache)}")
+    print(f"log file: {log_path()}")
     return 0
 
 
@@ -227,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    setup_logging()
     _prepare_runtime()
     from engine.errors import VeloxError
 
@@ -257,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # noqa: BLE001 - the one place that turns any bug into a line + a log entry
+        logging.getLogger("app").exception("velox %s failed", args.command)
+        print(f"error: {unexpected_error_line(error)}", file=sys.stderr)
+        return EXIT_ERROR
     parser.print_help()
     return EXIT_USAGE
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+from app.assets import asset_path
+from app.qt_platform import qt_platform_problem
 
 
 def qt_binding_problem() -> str | None:
@@ -144,7 +145,7 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication, QSystemTrayIcon
 
-    problem = qt_binding_problem()
+    problem = qt_platform_problem() or qt_binding_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
@@ -152,7 +153,7 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     app.setApplicationName("Velox")
     app.setApplicationDisplayName("Velox")
     app.setOrganizationName("Velox")
-    app.setWindowIcon(QIcon(str(RESOURCES / "velox-icon.png")))
+    app.setWindowIcon(QIcon(str(asset_path("velox-icon.png"))))
     from app.settings import load_settings
 
     apply_theme(app, load_settings().theme)

@@ -22,3 +22,11 @@ def models_dir() -> Path:
     path = data_dir() / "models"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def log_dir() -> Path:
+    """Where Velox writes its log files (overridable with VELOX_LOG_DIR), created on first use."""
+    override = os.environ.get("VELOX_LOG_DIR")
+    path = Path(override) if override else Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
+    path.mkdir(parents=True, exist_ok=True)
+    return path

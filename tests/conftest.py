@@ -5,8 +5,11 @@ The optional CPU fast path must be set up before MLX is imported, so it happens 
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Tests log to a throwaway folder, never into the user's own Velox log.
+os.environ.setdefault("VELOX_LOG_DIR", tempfile.mkdtemp(prefix="velox-test-logs-"))
 
 from engine.runtime import prepare_runtime  # noqa: E402
 

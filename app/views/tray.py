@@ -9,26 +9,26 @@ bar. The macOS icon is a template image (black + alpha), which the system tints 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject
 from PySide6.QtGui import QAction, QActionGroup, QIcon
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon, QWidget
 
-RESOURCES = Path(__file__).resolve().parents[2] / "resources"
+from app.assets import asset_path
+
 IS_MAC = sys.platform == "darwin"
 
 
 def tray_icon_image() -> QIcon:
     if IS_MAC:
         icon = QIcon()
-        icon.addFile(str(RESOURCES / "VeloxTrayTemplate.png"))
-        icon.addFile(str(RESOURCES / "VeloxTrayTemplate@2x.png"))
+        icon.addFile(str(asset_path("VeloxTrayTemplate.png")))
+        icon.addFile(str(asset_path("VeloxTrayTemplate@2x.png")))
         icon.setIsMask(True)  # a template image: macOS recolours it
         return icon
     # Linux panels may be light or dark: a black template could vanish, so use the coloured app icon.
-    return QIcon(str(RESOURCES / "velox-icon-64.png"))
+    return QIcon(str(asset_path("velox-icon-64.png")))
 
 
 class TrayIcon(QObject):

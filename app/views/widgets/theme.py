@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from PySide6.QtGui import QColor, QFont, QFontDatabase, QGuiApplication, QPalette
+
+from app.assets import asset_path
 
 # Fonts tried in order off macOS; the first one installed wins (Qt's "Sans Serif" otherwise).
 _PREFERRED_FAMILIES = ("Inter", "SF Pro Text", "Cantarell", "Noto Sans", "Segoe UI", "Ubuntu", "DejaVu Sans")
@@ -101,7 +102,7 @@ def qcolor(value: str, alpha: float = 1.0) -> QColor:
     return color
 
 
-CHEVRON = (Path(__file__).resolve().parents[3] / "resources" / "chevron-down.png").as_posix()
+CHEVRON = asset_path("chevron-down.png").as_posix()
 
 
 def style_sheet(c: Colors) -> str:
