@@ -7,6 +7,7 @@ import time
 
 import pytest
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import QApplication, QDialog, QMessageBox
 
 from app.main import build_app, qt_binding_problem
@@ -295,14 +296,22 @@ def test_tray_mode_keeps_running_when_the_window_closes(tmp_path, smollm, qtbot)
         assert not window.isVisible(), "closing hides the window; the app stays in the tray"
         tray.toggle_window()
         assert window.isVisible()
-        if tray.menu is not None:  # every platform but macOS: a context menu with the essentials
-            texts = [action.text() for action in tray.menu.actions()]
-            assert "Open Velox" in texts and "Quit Velox" in texts
-            controller.refresh_memory()
-            tray._refresh_menu()
-            assert tray.model_action.text() == "Model: SmolLM2-135M-Instruct"
-            assert "free" in tray.memory_action.text() and "KV cache" in tray.memory_action.text()
-            assert [a.data() for a in tray.compression_group.actions() if a.isChecked()] == ["16"]
+        # The status item's menu (on macOS the only menu of an LSUIElement app) has the essentials.
+        texts = [action.text() for action in tray.menu.actions()]
+        for wanted in ("Open Velox", "New Chat", "Attach Document…", "Reveal Log", "Quit Velox"):
+            assert wanted in texts
+        controller.refresh_memory()
+        tray._refresh_menu()
+        assert tray.model_action.text() == "Model: SmolLM2-135M-Instruct"
+        assert "free" in tray.memory_action.text() and "KV cache" in tray.memory_action.text()
+        assert [a.data() for a in tray.compression_group.actions() if a.isChecked()] == ["16"]
+        # Cmd/Ctrl-W and Cmd/Ctrl-Q live on the window itself, so they work with no menu bar shown.
+        shortcuts = {action.text(): action.shortcut() for action in window.actions()}
+        assert shortcuts["Close Window"] == QKeySequence(QKeySequence.StandardKey.Close)
+        assert shortcuts["Quit Velox"] == QKeySequence(QKeySequence.StandardKey.Quit)
+        window.hide()
+        next(a for a in tray.menu.actions() if a.text() == "New Chat").trigger()
+        assert window.isVisible() and controller.entries == []
     finally:
         controller.shutdown()
         window.quit_on_close = True

@@ -264,6 +264,9 @@ class ChatWindow(QMainWindow):
         action.setShortcut(shortcut)
         action.triggered.connect(lambda _checked=False: slot())
         menu.addAction(action)
+        # Also on the window: a menu-bar-only (LSUIElement) app shows no menu bar on macOS, and the
+        # shortcuts (Cmd-W hides, Cmd-Q quits, ...) must work without it.
+        self.addAction(action)
         return action
 
     def _connect(self) -> None:

@@ -1,9 +1,10 @@
 """The menu-bar (macOS) or tray (Linux, Windows) icon.
 
-A click shows or hides the chat window. Off macOS the icon also has a context menu: the model, the
-compression level, a one-line memory readout, and Quit. On macOS a context menu on an icon whose click opens
-a window swallows that click, so there the icon has no menu: the same commands live in the window's menu
-bar. The macOS icon is a template image (black + alpha), which the system tints for light and dark menu bars.
+The icon carries the app's menu: Open Velox, New Chat, Attach Document…, the model and compression level,
+a one-line memory readout, Reveal Log and Quit. On macOS a menu-bar (LSUIElement) app has no menu bar of
+its own, so this menu is how people reach those commands there; a click on the status item opens it, as
+menu-bar apps do. On Linux and Windows a click shows or hides the window and the menu is the context menu.
+The macOS icon is a template image (black + alpha), which the system tints for light and dark menu bars.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from PySide6.QtCore import QObject
-from PySide6.QtGui import QAction, QActionGroup, QIcon
+from PySide6.QtCore import QObject, QUrl
+from PySide6.QtGui import QAction, QActionGroup, QDesktopServices, QIcon
 from PySide6.QtWidgets import QMenu, QSystemTrayIcon, QWidget
 
 from app.assets import asset_path
+from app.logs import log_path
 
 IS_MAC = sys.platform == "darwin"
 
@@ -41,16 +43,16 @@ class TrayIcon(QObject):
         self.tray = QSystemTrayIcon(tray_icon_image(), self)
         self.tray.setToolTip("Velox")
         self.tray.activated.connect(self._activated)
-        self.menu: QMenu | None = None
-        if not IS_MAC:
-            self.menu = self._build_menu()
-            self.tray.setContextMenu(self.menu)
+        self.menu = self._build_menu()
+        self.tray.setContextMenu(self.menu)
         controller.memoryUpdated.connect(self._refresh_tooltip)
         self.tray.show()
 
     def _build_menu(self) -> QMenu:
         menu = QMenu()
         menu.addAction("Open Velox", self.show_window)
+        menu.addAction("New Chat", self._new_chat)
+        menu.addAction("Attach Document…", self._attach_document)
         menu.addSeparator()
         self.model_action = QAction("Model: loading…", menu)
         self.model_action.setEnabled(False)
@@ -68,6 +70,7 @@ class TrayIcon(QObject):
         self.memory_action.setEnabled(False)
         menu.addAction(self.memory_action)
         menu.addSeparator()
+        menu.addAction("Reveal Log", self._reveal_log)
         menu.addAction("Quit Velox", self._quit)
         menu.aboutToShow.connect(self._refresh_menu)
         return menu
@@ -85,6 +88,8 @@ class TrayIcon(QObject):
         self.tray.setToolTip(f"Velox — {name}\n{self.controller.memory_line()}")
 
     def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if IS_MAC:
+            return  # a click opens the status item's menu, whose first entry opens the window
         if reason in (QSystemTrayIcon.ActivationReason.Trigger, QSystemTrayIcon.ActivationReason.DoubleClick):
             self.toggle_window()
 
@@ -98,6 +103,18 @@ class TrayIcon(QObject):
         self.window.show()
         self.window.raise_()
         self.window.activateWindow()
+
+    def _new_chat(self) -> None:
+        self.controller.new_chat()
+        self.show_window()
+
+    def _attach_document(self) -> None:
+        self.show_window()
+        self.window.choose_document()
+
+    def _reveal_log(self) -> None:
+        """Show the log file's folder in Finder / the file manager, for attaching it to a bug report."""
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(log_path().parent)))
 
     def _choose_model(self) -> None:
         self.show_window()
