@@ -29,8 +29,16 @@ def installed(tmp_path_factory, default_model_path) -> dict[str, Path]:
     """A fresh venv holding the built wheel and (linked) the test environment's dependencies, minus pip,
     setuptools and the editable install of this checkout."""
     work = tmp_path_factory.mktemp("frozen")
+    # Build from a copy: setuptools writes build/ and *.egg-info into the source tree, and those must not
+    # appear in the checkout the rest of the suite runs from.
+    source = work / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "engine", "app"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
+        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                            if (ROOT / name).is_dir() else {}))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "-w", str(work / "dist"), str(ROOT)], check=True, capture_output=True, cwd=work)
+                    "-w", str(work / "dist"), str(source)], check=True, capture_output=True, cwd=work)
     wheel = next((work / "dist").glob("velox_chat-*.whl"))
     fresh = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
