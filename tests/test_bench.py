@@ -25,7 +25,7 @@ from benchmarks.harness.specs import QUALITY_SPECS, SPEED_SPECS, parse_spec, par
 from engine.errors import ConfigError
 from engine.kvcache.evaluate import teacher_forced_token_stats
 from engine.planning.memory import array_bytes
-from tests.test_kvcache_support import TINY_VOCAB, random_kv, tiny_llama
+from tests.kvcache_helpers import TINY_VOCAB, random_kv, tiny_llama
 
 
 def _tokens(n: int, seed: int = 3) -> list[int]:

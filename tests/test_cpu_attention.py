@@ -9,7 +9,7 @@ import pytest
 from engine.chat.session import _default_cache_factory
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method
 from engine.runtime.cpu import attention as cpu_attention
-from tests.test_kvcache_support import tiny_llama
+from tests.kvcache_helpers import tiny_llama
 
 needs_fast_path = pytest.mark.skipif(not cpu_attention.active(), reason="the Linux CPU fast path is off here")
 

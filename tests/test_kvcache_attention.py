@@ -18,7 +18,7 @@ from engine.kvcache import (
     uninstall_attention_dispatch,
 )
 from engine.kvcache.attention import original_quantized_sdpa
-from tests.test_kvcache_support import (
+from tests.kvcache_helpers import (
     filled,
     key_and_attention_errors,
     make_cache,

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, reencode_caches
 from engine.planning.memory import array_bytes
-from tests.test_kvcache_support import (
+from tests.kvcache_helpers import (
     assert_save_and_load_round_trip_bit_exactly,
     assert_trim_drops_the_newest_tokens,
     build_caches,

@@ -16,7 +16,7 @@ from engine.kvcache import (
     unregister_from_mlx_lm,
 )
 from engine.kvcache.quant.rotation import make_rotation
-from tests.test_kvcache_support import tiny_llama
+from tests.kvcache_helpers import tiny_llama
 
 
 def test_unknown_method_lists_the_known_ones() -> None:

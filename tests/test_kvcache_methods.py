@@ -16,7 +16,7 @@ from engine.kvcache.evaluate import teacher_forced_quality
 from engine.kvcache.methods.turboquant import DEQUANTIZE_CHUNK_TOKENS
 from engine.kvcache.quant.codebooks import lloyd_max_distortion
 from engine.planning.memory import array_bytes
-from tests.test_kvcache_support import (
+from tests.kvcache_helpers import (
     assert_save_and_load_round_trip_bit_exactly,
     assert_trim_drops_the_newest_tokens,
     build_caches,

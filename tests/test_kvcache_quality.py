@@ -11,7 +11,7 @@ import pytest
 
 from engine.kvcache import KVCacheConfig
 from engine.kvcache.evaluate import QualityResult, teacher_forced_quality
-from tests.test_kvcache_support import prose_tokens
+from tests.kvcache_helpers import prose_tokens
 
 # Prefill chunks attend through decoded blocks (the CPU-fast path; numerically the same quantized values
 # as the fused path, which test_kvcache_attention checks against it).
