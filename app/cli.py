@@ -1,29 +1,40 @@
 """`velox` command line: chat in the terminal, list models, show machine facts.
 
 Errors are one clear line on stderr and a non-zero exit code, never a traceback.
-MLX is imported only through `engine`, and only after the optional Linux CPU fast path is set up
-(it must run before `mlx.core` is first imported).
+MLX is reached only through `engine` (whose import sets up the optional Linux CPU fast path first).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import engine
 from app.logs import log_path, setup_logging, unexpected_error_line
+from engine.chat.documents import load_document
+from engine.chat.session import (
+    ChatSession,
+    GenerationSettings,
+    GenerationStats,
+    Notice,
+    PrefillProgress,
+    TextChunk,
+)
+from engine.errors import VeloxError
+from engine.kvcache import KVCacheConfig, describe_methods
+from engine.models.catalog import list_models, load_model, resolve_model
+from engine.planning.memory import snapshot
+from engine.planning.recommend import LEVELS
+from engine.planning.units import format_bytes
+from engine.runtime.status import runtime_status
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-
-
-def _prepare_runtime() -> None:
-    from engine.runtime import prepare_runtime
-
-    prepare_runtime()
 
 
 def _progress(message: str, fraction: float) -> None:
@@ -75,7 +86,7 @@ def _bench_harness() -> Any:
         return None
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
-    from benchmarks.harness import cli  # MLX-free at import
+    from benchmarks.harness import cli  # only in a source checkout: found at run time, never installed
 
     return cli
 
@@ -83,9 +94,6 @@ def _bench_harness() -> Any:
 def _cache_config(args: argparse.Namespace) -> Any:
     if args.kv is None and args.kv_bits is None:
         return None
-    from engine.kvcache import KVCacheConfig
-    from engine.planning.recommend import LEVELS
-
     # Without --kv, the method is the one the app's compression level of that many bits uses (the level
     # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
     levels = {level.key: level for level in LEVELS}
@@ -98,8 +106,6 @@ def _cache_config(args: argparse.Namespace) -> Any:
 
 
 def _print_stats(stats: Any) -> None:
-    from engine.planning.memory import format_bytes
-
     print(
         f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
         f"prefill {stats.prefill_tokens_per_second:.1f} tok/s, decode {stats.decode_tokens_per_second:.1f} tok/s, "
@@ -110,8 +116,6 @@ def _print_stats(stats: Any) -> None:
 
 
 def _run_turn(session: Any, question: str, show_stats: bool) -> None:
-    from engine.chat.session import GenerationStats, Notice, PrefillProgress, TextChunk
-
     try:
         for event in session.send(question):
             if isinstance(event, TextChunk):
@@ -133,10 +137,6 @@ def _run_turn(session: Any, question: str, show_stats: bool) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from engine.chat.documents import load_document
-    from engine.chat.session import ChatSession, GenerationSettings
-    from engine.models.catalog import load_model, resolve_model
-
     settings = GenerationSettings(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         overflow_policy=None if args.overflow == "error" else args.overflow,
@@ -168,8 +168,6 @@ def _chat(args: argparse.Namespace) -> int:
             session.new_chat()
             continue
         if line.startswith("/doc "):
-            from engine.errors import VeloxError
-
             try:
                 session.attach_document(load_document(line[5:].strip()))
                 print("[attached]", file=sys.stderr)
@@ -180,9 +178,6 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _models() -> int:
-    from engine.models.catalog import list_models
-    from engine.planning.memory import format_bytes
-
     for info in list_models():
         status = "ready" if info.ready else "not ready"
         print(f"{info.name:<40} {info.source:<9} {format_bytes(info.bytes_on_disk):>9} "
@@ -193,12 +188,6 @@ def _models() -> int:
 
 
 def _info() -> int:
-    import platform
-
-    import engine
-    from engine.planning.memory import format_bytes, snapshot
-    from engine.runtime import runtime_status
-
     snap = snapshot()
     print(f"velox {engine.__version__} on {platform.system()} {platform.machine()}, Python {platform.python_version()}")
     for key, value in runtime_status().items():
@@ -212,15 +201,13 @@ def _info() -> int:
 
 
 def _methods() -> int:
-    from engine.kvcache import describe_methods
-
     for line in describe_methods():
         print(line)
     return 0
 
 
 def _app(args: argparse.Namespace) -> int:
-    from app.main import run_app
+    from app.main import run_app  # Qt is loaded only for the desktop app, never for the terminal commands
 
     return run_app(model=args.model)
 
@@ -232,9 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     setup_logging()
-    _prepare_runtime()
-    from engine.errors import VeloxError
-
     try:
         if args.command == "chat":
             return _chat(args)

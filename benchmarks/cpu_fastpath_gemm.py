@@ -1,4 +1,4 @@
-"""Measure MLX on the Linux CPU with and without the fast path of engine.runtime.cpu.fastpath.
+"""Measure MLX on the Linux CPU with and without the fast path of engine.runtime.cpu (blas, weights).
 
 The fast BLAS is a process-level switch (it must be loaded before mlx.core), so each configuration runs
 in its own subprocess of this script and reports JSON back to the parent, which prints the tables.
@@ -39,7 +39,9 @@ MIN_REPEATS = 3
 def _prepare(config: str) -> dict[str, Any]:
     """Set up the process for one configuration; must run before mlx.core is imported."""
     sys.path.insert(0, str(REPO_ROOT))
-    from engine.runtime.cpu.fastpath import enable_fast_blas
+    if config == "stock":
+        os.environ["VELOX_FAST_BLAS"] = "0"  # `import engine` would otherwise enable the fast path
+    from engine.runtime.cpu.blas import enable_fast_blas
 
     if config == "stock":
         return {"enabled": False, "reason": "stock MLX"}
@@ -99,7 +101,7 @@ def model_worker(config: str, model_path: str, prompt_tokens: int, max_tokens: i
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from engine.runtime.cpu.fastpath import dequantize_model_to_fp32, prefer_fp32_weights
+    from engine.runtime.cpu.weights import dequantize_model_to_fp32, prefer_fp32_weights
 
     mx.set_default_device(mx.cpu)
     load_started = time.perf_counter()

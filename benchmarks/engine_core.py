@@ -23,8 +23,6 @@ DEFAULT_PROSE = ROOT.parent / "shared" / "data" / "botchan.txt"
 FIRST_RUN = """
 import time, json
 t = time.perf_counter()
-from engine.runtime import prepare_runtime
-prepare_runtime()
 from engine.models.default_model import ensure_default_model
 ensure_default_model()
 print(json.dumps({"seconds": time.perf_counter() - t}))
@@ -34,8 +32,7 @@ SPEED = """
 import json, os, sys, time
 fast = os.environ.get("VELOX_FAST_BLAS", "1") != "0"
 t0 = time.perf_counter()
-from engine.runtime import prepare_runtime, runtime_status
-prepare_runtime()
+from engine.runtime.status import runtime_status
 from engine.models.catalog import load_model
 from engine.models.default_model import ensure_default_model
 from engine.chat.documents import Document

@@ -1,6 +1,6 @@
 """Shared fixtures: the real embedded default model, loaded once per test session.
 
-The optional CPU fast path must be set up before MLX is imported, so it happens here, first."""
+The optional CPU fast path must be set up before MLX is imported: `import engine` does it, here, first."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Tests log to a throwaway folder, never into the user's own Velox log.
 os.environ.setdefault("VELOX_LOG_DIR", tempfile.mkdtemp(prefix="velox-test-logs-"))
 
-from engine.runtime import prepare_runtime  # noqa: E402
-
-prepare_runtime()
-
 import pytest  # noqa: E402
+
+import engine  # noqa: E402, F401  (importing it prepares the CPU fast path before any test loads MLX)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     try:
-        from engine.runtime import runtime_status
+        from engine.runtime.status import runtime_status
 
         info["cpu_fast_path"] = runtime_status().get("cpu fast path", "")
     except Exception as error:  # the record must not fail the run

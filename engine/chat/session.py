@@ -21,7 +21,10 @@ from mlx_lm.sample_utils import make_sampler
 
 from engine.chat.documents import Document
 from engine.errors import CancelledError, ContextOverflowError, VeloxError
+from engine.kvcache import KVCacheBuilder, KVCacheConfig
+from engine.kvcache.builder import dense_chunks
 from engine.planning.memory import kv_cache_bytes
+from engine.runtime.cpu import attention as cpu_attention
 
 OVERFLOW_POLICIES = (None, "drop-oldest", "truncate-middle")
 
@@ -99,13 +102,9 @@ CacheFactory = Callable[[Any], list[Any]]
 def _default_cache_factory(model: Any) -> list[Any]:
     """Uncompressed: mlx-lm's own cache, or on the Linux CPU fast path the float32 Velox cache, which
     attends with `engine.runtime.cpu.attention` (MLX has no fused CPU attention). Same bytes either way."""
-    from engine.runtime.cpu import attention as cpu_attention
-
     caches = make_prompt_cache(model)
     # Only plain caches are replaced: a model that asks for others (e.g. sliding-window) keeps them.
     if cpu_attention.active() and all(type(c).__name__ == "KVCache" for c in caches):
-        from engine.kvcache import KVCacheBuilder, KVCacheConfig
-
         return KVCacheBuilder(KVCacheConfig("fp32")).for_model(model).build()
     return caches
 
@@ -308,8 +307,6 @@ class ChatSession:
         that was already thrown away, so a switch *up* in precision keeps the old quantization error; with
         `reprefill=True` the cache is instead rebuilt exactly by running the model over the held tokens
         (the report says which happened). `config=None` switches to mlx-lm's plain 16-bit cache."""
-        from engine.kvcache import KVCacheBuilder
-
         start = time.perf_counter()
         bytes_before = self.kv_cache_bytes()
         before = self._describe_compression(self.compression)
@@ -356,8 +353,6 @@ class ChatSession:
         """Bits per value of a config for this model (16 for the plain cache), to tell up from down."""
         if config is None:
             return 16.0
-        from engine.kvcache import KVCacheBuilder
-
         return KVCacheBuilder(config).for_model(self.model).effective_bits_per_value()
 
     def _prefill(self, tokens: list[int], cancel: threading.Event) -> Iterator[PrefillProgress]:
@@ -490,8 +485,6 @@ class ChatSession:
 
 def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:
     """Move one layer's tokens into `new` (a Velox cache, or mlx-lm's KVCache), a chunk at a time."""
-    from engine.kvcache.builder import dense_chunks
-
     if hasattr(new, "load_dense"):
         new.load_dense(dense_chunks(old, chunk_tokens))
         return

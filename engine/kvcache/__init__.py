@@ -17,10 +17,10 @@ from engine.kvcache.attention import (
 from engine.kvcache.base import SegmentedKVCache, VeloxKVCache
 from engine.kvcache.builder import KVCacheBuilder, ModelShape, model_shape, reencode_caches
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.describe import describe_methods
 from engine.kvcache.registry import (
     MethodInfo,
     all_method_info,
-    describe_methods,
     get_method,
     known_methods,
     method_info,

@@ -29,6 +29,7 @@ from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
 from engine.kvcache.config import KVCacheConfig
 from engine.runtime.cpu import attention as cpu_attention
+from engine.runtime.masks import apply_attention_mask
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -55,34 +56,6 @@ def sixteen_bit_dtype(input_dtype: mx.Dtype) -> mx.Dtype:
     """The 16-bit float used for 16-bit segments and quantization scales: bf16 for bf16 models (no
     conversions on the model's own path), fp16 otherwise (fp32 inputs on CPU are stored as fp16)."""
     return mx.bfloat16 if input_dtype == mx.bfloat16 else mx.float16
-
-
-def apply_attention_mask(
-    scores: mx.array, mask: mx.array | str | None, n_queries: int, n_query_heads: int
-) -> mx.array:
-    """Apply mlx-lm's mask to grouped scores of shape [B, n_kv_heads, repeats, L, N].
-
-    `mask` is None, "causal" (query i of the L new tokens sits at position N - L + i and sees keys up to
-    it) or an array broadcastable to [B, heads, L, N], boolean (True = may attend) or additive. Per-query-
-    head masks ([B, n_query_heads, L, N]) are regrouped to match.
-    """
-    if mask is None:
-        return scores
-    n_keys = scores.shape[-1]
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"Unknown attention mask {mask!r}.")
-        query_positions = mx.arange(n_keys - n_queries, n_keys)
-        mask = query_positions[:, None] >= mx.arange(n_keys)[None]
-    if mask.ndim == 4:
-        batch, heads = mask.shape[:2]
-        if heads == n_query_heads and heads != 1:
-            mask = mask.reshape(batch, scores.shape[1], scores.shape[2], *mask.shape[-2:])
-        else:
-            mask = mx.expand_dims(mask, -3)
-    if mask.dtype == mx.bool_:
-        return mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return scores + mask.astype(scores.dtype)
 
 
 class VeloxKVCache(_BaseCache):

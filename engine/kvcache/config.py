@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.kvcache.registry import get_method
 
 # Option values must survive a JSON round trip unchanged (they are saved with the cache).
 _OPTION_TYPES = (str, int, float, bool, type(None))
@@ -38,8 +39,6 @@ class KVCacheConfig:
         Raises ConfigError with one clear sentence for an unknown method, bits the method does not
         support, a group size or head_dim that does not fit, or negative window sizes.
         """
-        from engine.kvcache.registry import get_method  # late: the registry imports the method files
-
         method_class = get_method(self.method)
         if not isinstance(head_dim, int) or head_dim <= 0:
             raise ConfigError(f"head_dim must be a positive integer, not {head_dim!r}.")
@@ -96,8 +95,6 @@ class KVCacheConfig:
 
     def describe(self) -> str:
         """A short human label, e.g. 'rotated K4/V4 g64 (window 128, sinks 4)'."""
-        from engine.kvcache.registry import get_method
-
         label = self.method
         try:
             dense = get_method(self.method).attention_path == "dense"

@@ -20,6 +20,7 @@ import numpy as np
 from engine.kvcache.builder import KVCacheBuilder
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import get_method
+from engine.planning.memory import array_bytes
 
 
 @dataclass(frozen=True)
@@ -165,10 +166,6 @@ def teacher_forced_token_stats(
             parts[name]["nll"].append(nll)
             parts[name]["kl"].append(kl)
             parts[name]["top1"].append(agrees)
-    from engine.planning.memory import (
-        array_bytes,  # late: engine.planning.memory needs psutil, only this function uses it
-    )
-
     return {
         name: TokenStats(
             name=name,

@@ -148,27 +148,3 @@ def method_info(name: str) -> MethodInfo:
 
 def all_method_info() -> list[MethodInfo]:
     return [method_info(name) for name in known_methods()]
-
-
-def describe_methods(head_dims: tuple[int, ...] = (64, 128)) -> list[str]:
-    """Human-readable lines for `velox methods`: each method's bits, its effective bits per value at each
-    bit width (long-context limit, default group size, every scale/norm/codebook counted; keys and values
-    averaged), whether it needs calibration, and its attention path."""
-    from engine.kvcache.config import KVCacheConfig
-
-    lines = []
-    for info in all_method_info():
-        cls = get_method(info.name)
-        lines.append(f"{info.name}: {info.description}")
-        lines.append(f"    bits {', '.join(str(b) for b in info.supported_bits)} (default {info.default_bits}); "
-                     f"attention {info.attention_path}; calibration {'needed' if info.needs_calibration else 'none'}")
-        for head_dim in head_dims:
-            cells = []
-            for bits in info.supported_bits:
-                config = KVCacheConfig(method=info.name, key_bits=bits, value_bits=bits)
-                try:
-                    cells.append(f"{bits}→{cls.effective_bits_per_value(config, head_dim):.2f}")
-                except Exception as error:  # a bit width or group size that does not suit this head_dim
-                    cells.append(f"{bits}→n/a ({type(error).__name__})")
-            lines.append(f"    effective bits/value at head_dim {head_dim}: {'  '.join(cells)}")
-    return lines

@@ -25,9 +25,24 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx_lm
+
 from engine.errors import ModelError
+from engine.models.default_model import (
+    DEFAULT_MODEL_NAME,
+    default_model_dir,
+    ensure_default_model,
+    is_default_model_ready,
+)
 from engine.models.gguf import ProgressCallback
 from engine.paths import data_dir, models_dir
+from engine.runtime.cpu.weights import dequantize_model_to_fp32, prefer_fp32_weights
+
+try:
+    from mlx_lm.utils import MODEL_REMAPPING
+except ImportError:  # mlx-lm moved its renaming table: fall back to the model_type names themselves
+    MODEL_REMAPPING = {}
 
 REGISTERED_FOLDERS_FILE = "model_folders.json"
 
@@ -119,10 +134,6 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 def _mlx_lm_module_name(model_type: str) -> str:
     """The mlx-lm module that implements `model_type`, following mlx-lm's own renaming table."""
-    try:
-        from mlx_lm.utils import MODEL_REMAPPING
-    except ImportError:  # mlx-lm moved the table: fall back to the name itself
-        MODEL_REMAPPING = {}
     return MODEL_REMAPPING.get(model_type, model_type)
 
 
@@ -516,8 +527,6 @@ def hf_cached_snapshot(repo_id: str) -> Path | None:
 
 
 def _default_entry() -> ModelInfo:
-    from engine.models.default_model import DEFAULT_MODEL_NAME, default_model_dir, is_default_model_ready
-
     folder = default_model_dir()
     if is_default_model_ready():
         return _inspect_or_broken(folder, DEFAULT_MODEL_NAME, "embedded")
@@ -570,8 +579,6 @@ def resolve_model(spec: str | None, progress: ProgressCallback | None = None) ->
     A folder path: that folder. A bare name: a folder of that name in the models folder. 'org/name': its
     Hugging Face cache snapshot; there is no network download here, so an uncached repo is an error.
     """
-    from engine.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
     if spec is None or spec.strip() in ("", "default", DEFAULT_MODEL_NAME):
         return ensure_default_model(progress)
     spec = spec.strip()
@@ -614,29 +621,19 @@ def load_model(
     assert info.path is not None  # inspect_model_folder always sets it
     report(f"Loading {info.name}", 0.1)
     try:
-        import mlx_lm
-
         model, tokenizer = mlx_lm.load(str(info.path))
     except Exception as error:  # mlx / mlx-lm / transformers raise many types with multi-line messages
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ModelError(f"The model in {info.path} could not be loaded: {reason}") from error
 
-    # On CPU, fp32 weights are much faster than dequantizing 4-bit weights at every step. The helper lives
-    # in an optional module; without it the model stays as loaded.
-    try:
-        from engine.runtime.cpu.fastpath import dequantize_model_to_fp32, prefer_fp32_weights
-    except ImportError:
-        pass
-    else:
-        if prefer_fp32_weights():
-            report("Converting weights to fp32 for the CPU", 0.8)
-            try:
-                converted = dequantize_model_to_fp32(model)
-            except Exception as error:  # e.g. out of memory inside mx.dequantize
-                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                raise ModelError(f"The model in {info.path} could not be prepared for the CPU: {reason}") from error
-            if converted is not None:
-                model = converted
+    # On CPU, fp32 weights are much faster than dequantizing 4-bit weights at every step.
+    if prefer_fp32_weights():
+        report("Converting weights to fp32 for the CPU", 0.8)
+        try:
+            model = dequantize_model_to_fp32(model)
+        except Exception as error:  # e.g. out of memory inside mx.dequantize
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ModelError(f"The model in {info.path} could not be prepared for the CPU: {reason}") from error
     _compute_in_declared_dtype_on_gpu(model, info)
     report("Model ready", 1.0)
     return model, tokenizer, info
@@ -651,8 +648,6 @@ def _compute_in_declared_dtype_on_gpu(model: Any, info: ModelInfo) -> None:
     for many shapes (measured: prefill failed for KIVI and mlx-lm's quantized caches). Packed weights are
     integers and are left alone. On the CPU nothing changes: there activations stay float32 on purpose.
     """
-    import mlx.core as mx
-
     dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(info.dtype)
     if dtype is None or mx.default_device() != mx.gpu:
         return

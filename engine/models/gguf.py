@@ -13,11 +13,15 @@ types, unsupported architectures and corrupt files.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import mlx.core as mx
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from engine.errors import ModelError
 
@@ -228,8 +232,6 @@ def convert_weights(weights: dict[str, Any], config: dict[str, Any]) -> dict[str
 
 def build_tokenizer_json(meta: dict[str, Any]) -> str:
     """A Hugging Face `tokenizers` JSON for a gpt2-style BPE vocabulary stored in GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ModelError(
             f"The GGUF tokenizer is '{meta.get('tokenizer.ggml.model')}'; only gpt2-style BPE is supported."
@@ -291,10 +293,6 @@ ProgressCallback = Callable[[str, float], None]
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressCallback | None = None) -> Path:
     """Convert `gguf_path` into an MLX model folder at `out_dir` (written atomically). Returns `out_dir`."""
-    import shutil
-
-    import mlx.core as mx
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     report = progress or (lambda message, fraction: None)
     report("Reading GGUF header", 0.0)

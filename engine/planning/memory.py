@@ -1,7 +1,6 @@
 """Memory measurements: the machine, this process, MLX's allocator, and the bytes a KV cache really holds.
 
-Sizes are reported in bytes; `format_bytes` shows them in decimal units (1 MB = 1,000,000 bytes), the way
-macOS's Finder and Activity Monitor do, so the numbers a person sees match the ones their system shows.
+Sizes are reported in bytes; `engine.planning.units.format_bytes` shows them in decimal units.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 import psutil
+
+from engine.planning.units import format_bytes
 
 # Pressure is judged from the fraction of RAM still available. Below these fractions the OS starts to
 # compress/swap (warning) and then risks killing processes (critical); the cut-offs are deliberately simple.
@@ -158,24 +159,3 @@ def snapshot(prompt_cache: list[Any] | None = None) -> MemorySnapshot:
         mlx_cache=mlx_counters["cache"],
         kv_cache=kv_cache_bytes(prompt_cache) if prompt_cache is not None else 0,
     )
-
-
-_DECIMAL_UNITS = ("B", "KB", "MB", "GB", "TB")
-
-
-def format_bytes(n: int | float) -> str:
-    """A byte count in decimal units like macOS shows them: '512 B', '1.6 MB', '310 MB', '1.2 GB'.
-
-    One decimal below 10 units and always from GB on, whole numbers otherwise; the unit is chosen after
-    rounding, so 999.7 MB is shown as '1.0 GB', never '1000 MB'.
-    """
-    sign = "-" if n < 0 else ""
-    magnitude = abs(float(n))
-    last = len(_DECIMAL_UNITS) - 1
-    for index, unit in enumerate(_DECIMAL_UNITS):
-        value = magnitude / 1000**index
-        decimals = 1 if index > 0 and (index >= 3 or value < 10) else 0
-        rounded = round(value, decimals)
-        if rounded < 1000 or index == last:
-            return f"{sign}{rounded:.{decimals}f} {unit}"
-    raise AssertionError("unreachable: the last unit always returns")

@@ -19,21 +19,19 @@ Memory model (all in bytes; `fit_verdicts` reports each term so the app can show
 At long contexts the scores of a prefill chunk can outweigh the cache itself (Llama-3.1-8B at 128k tokens
 with 512-token chunks: 8.6 GB), so `prefill_chunk` is a parameter: a smaller chunk is the cheap way to fit.
 
-This module imports neither MLX nor Qt at import time (the app imports it before the MLX runtime is set
-up); the KV cache registry, which imports MLX, is loaded on first use.
+Never imports Qt.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
-
-if TYPE_CHECKING:
-    from engine.kvcache.config import KVCacheConfig
-    from engine.models.catalog import ModelInfo
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.registry import get_method
+from engine.models.catalog import ModelInfo
+from engine.planning.units import format_bytes
 
 # ---------------------------------------------------------------------------------------- the level table
 #
@@ -94,8 +92,8 @@ class CompressionLevel:
     def effective_bits(self) -> float:
         """Bits stored per cached value, scales/biases/norms included, in the long-context limit.
 
-        Taken from the KV cache registry's exact formula; if the registry cannot be imported, the documented
-        fallback: fp16 = 16, affine-style = mean(key_bits, value_bits) + 32 / group_size.
+        Taken from the KV cache registry's exact formula (`_fallback_bits` is the closed form it reduces to
+        for these methods: fp16 = 16, affine-style = mean(key_bits, value_bits) + 32 / group_size).
         """
         return self.bits_per_value(_REFERENCE_HEAD_DIM)
 
@@ -103,10 +101,6 @@ class CompressionLevel:
         """Effective bits per cached value for a model with `head_dim`, amortising 16-bit window tokens and
         per-layer constants over `n_tokens` (None: the long-context limit). ConfigError if the level's
         configuration does not suit `head_dim` (e.g. the group size does not divide it)."""
-        try:
-            from engine.kvcache.registry import get_method
-        except ImportError:
-            return self._fallback_bits(head_dim)
         method_class = get_method(self.method)
         return float(method_class.effective_bits_per_value(self.to_config(), head_dim, n_tokens, n_kv_heads))
 
@@ -126,8 +120,6 @@ class CompressionLevel:
 
     def to_config(self) -> KVCacheConfig:
         """The KVCacheConfig this level stands for."""
-        from engine.kvcache.config import KVCacheConfig
-
         return KVCacheConfig(
             method=self.method,
             key_bits=self.key_bits,
@@ -154,13 +146,6 @@ def level_by_key(key: str) -> CompressionLevel:
 
 def _as_level(level: CompressionLevel | str) -> CompressionLevel:
     return level if isinstance(level, CompressionLevel) else level_by_key(level)
-
-
-def _format_bytes(n: float) -> str:
-    # engine.planning.memory imports MLX at import time; load it only when a sentence is built.
-    from engine.planning.memory import format_bytes
-
-    return format_bytes(n)
 
 
 def _check_shape(info: ModelInfo) -> None:
@@ -264,12 +249,12 @@ def fit_verdicts(
         needed = weights + cache + working
         fits = needed <= budget
         if fits:
-            message = f"fits at {level.label}: {_format_bytes(cache)} of cache"
+            message = f"fits at {level.label}: {format_bytes(cache)} of cache"
         else:
             message = (
-                f"does not fit at {level.label}: needs {_format_bytes(needed)} (model {_format_bytes(weights)}"
-                f" + cache {_format_bytes(cache)} + working memory {_format_bytes(working)}), "
-                f"{_format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
+                f"does not fit at {level.label}: needs {format_bytes(needed)} (model {format_bytes(weights)}"
+                f" + cache {format_bytes(cache)} + working memory {format_bytes(working)}), "
+                f"{format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
             )
         if exceeds_context:
             message += f" (but {n_tokens} tokens exceed the model's {info.max_context}-token context)"
@@ -331,8 +316,8 @@ def recommend(
     if uncompressed.fits and uncompressed.cache_bytes < SMALL_CACHE_FRACTION * available_bytes:
         return result(
             uncompressed.level,
-            f"{n_tokens} tokens need only {_format_bytes(uncompressed.cache_bytes)} of cache uncompressed "
-            f"(under {SMALL_CACHE_FRACTION:.0%} of the {_format_bytes(available_bytes)} free), "
+            f"{n_tokens} tokens need only {format_bytes(uncompressed.cache_bytes)} of cache uncompressed "
+            f"(under {SMALL_CACHE_FRACTION:.0%} of the {format_bytes(available_bytes)} free), "
             "so compression would cost quality for no real gain.",
         )
     for verdict in verdicts:
@@ -342,10 +327,10 @@ def recommend(
             return result(
                 verdict.level,
                 f"{verdict.level.label} ({verdict.level.quality_note}) is the most precise level that fits: "
-                f"{_format_bytes(verdict.cache_bytes)} of cache for {n_tokens} tokens, "
-                f"{_format_bytes(verdict.needed_bytes)} in all of {_format_bytes(available_bytes)} free"
+                f"{format_bytes(verdict.cache_bytes)} of cache for {n_tokens} tokens, "
+                f"{format_bytes(verdict.needed_bytes)} in all of {format_bytes(available_bytes)} free"
                 + (
-                    f" (uncompressed it would be {_format_bytes(uncompressed.cache_bytes)})."
+                    f" (uncompressed it would be {format_bytes(uncompressed.cache_bytes)})."
                     if uncompressed.supported
                     else "."
                 ),
@@ -354,13 +339,13 @@ def recommend(
         return result(
             uncompressed.level,
             f"No compressed level suits this model's head size, and uncompressed "
-            f"{_format_bytes(uncompressed.cache_bytes)} of cache for {n_tokens} tokens fits.",
+            f"{format_bytes(uncompressed.cache_bytes)} of cache for {n_tokens} tokens fits.",
         )
     last_resort = by_key[LAST_RESORT_LEVEL_KEY]
     if last_resort.fits:
         return result(
             last_resort.level,
-            f"Only {last_resort.level.label} fits ({_format_bytes(last_resort.cache_bytes)} of cache for "
+            f"Only {last_resort.level.label} fits ({format_bytes(last_resort.cache_bytes)} of cache for "
             f"{n_tokens} tokens), and its quality is poor: answers may be wrong or garbled. A shorter "
             "document or more free memory allows a better level.",
         )
@@ -371,10 +356,10 @@ def recommend(
     return result(
         None,
         f"Nothing fits: even at {smallest.level.label} the model and {n_tokens} tokens of context need "
-        f"{_format_bytes(smallest.needed_bytes)} (model {_format_bytes(smallest.weights_bytes)} + cache "
-        f"{_format_bytes(smallest.cache_bytes)} + working memory {_format_bytes(smallest.working_bytes)}), "
-        f"but only {_format_bytes(smallest.budget_bytes)} of the {_format_bytes(available_bytes)} free may be "
-        f"used; {_format_bytes(smallest.missing_bytes)} more free memory, a shorter context or a smaller "
+        f"{format_bytes(smallest.needed_bytes)} (model {format_bytes(smallest.weights_bytes)} + cache "
+        f"{format_bytes(smallest.cache_bytes)} + working memory {format_bytes(smallest.working_bytes)}), "
+        f"but only {format_bytes(smallest.budget_bytes)} of the {format_bytes(available_bytes)} free may be "
+        f"used; {format_bytes(smallest.missing_bytes)} more free memory, a shorter context or a smaller "
         "prefill chunk is needed.",
     )
 
@@ -405,11 +390,11 @@ def check_fits(
     if not verdict.fits:
         raise MemoryBudgetError(
             f"{n_tokens} tokens of context for {info.name} at {chosen.label} would need "
-            f"{_format_bytes(verdict.needed_bytes)} (model {_format_bytes(verdict.weights_bytes)} + cache "
-            f"{_format_bytes(verdict.cache_bytes)} + working memory {_format_bytes(verdict.working_bytes)}) "
-            f"but only {_format_bytes(verdict.budget_bytes)} of the {_format_bytes(available_bytes)} free can "
+            f"{format_bytes(verdict.needed_bytes)} (model {format_bytes(verdict.weights_bytes)} + cache "
+            f"{format_bytes(verdict.cache_bytes)} + working memory {format_bytes(verdict.working_bytes)}) "
+            f"but only {format_bytes(verdict.budget_bytes)} of the {format_bytes(available_bytes)} free can "
             f"be used safely; choose a stronger compression level, a shorter context or free "
-            f"{_format_bytes(verdict.missing_bytes)} of memory."
+            f"{format_bytes(verdict.missing_bytes)} of memory."
         )
     return verdict
 

@@ -1,37 +1,19 @@
-"""Process-level setup that must happen before MLX is first imported, and facts about the runtime."""
+"""Process-level setup that must happen before MLX is first imported.
+
+`import engine` calls `prepare_runtime()` (see engine/__init__.py), so nothing else needs to. This
+package and `engine.runtime.cpu` are imported before MLX: their `__init__` modules, `cpu/blas.py` and
+`cpu/elf_shim.py` must never import mlx (tests/test_layering.py checks it). Facts about the runtime
+(versions, device, what the fast path did) are in `engine.runtime.status`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-_fast_blas_status: Any = None
+from engine.runtime.cpu.blas import FastBlasStatus, enable_fast_blas
 
 
-def prepare_runtime() -> None:
-    """Call once, first thing, from an entry point (CLI, app, benchmark).
+def prepare_runtime() -> FastBlasStatus:
+    """Enable the optional CPU fast path; idempotent, never raises, returns what it did.
 
-    On Linux the optional CPU fast path routes MLX's BLAS calls to an optimized library; it has to be
-    loaded before `mlx.core`. Everywhere else, and whenever it cannot be enabled, this does nothing."""
-    global _fast_blas_status
-    if _fast_blas_status is not None:
-        return
-    try:
-        from engine.runtime.cpu.fastpath import enable_fast_blas
-    except ImportError:
-        _fast_blas_status = "not available"
-        return
-    _fast_blas_status = enable_fast_blas()
-
-
-def runtime_status() -> dict[str, str]:
-    import mlx.core as mx
-
-    status = {
-        "mlx": getattr(mx, "__version__", "unknown"),
-        "device": str(mx.default_device()),
-        "cpu fast path": str(_fast_blas_status if _fast_blas_status is not None else "not requested"),
-    }
-    import mlx_lm
-
-    status["mlx-lm"] = getattr(mlx_lm, "__version__", "unknown")
-    return status
+    On Linux x86-64 the fast path routes MLX's BLAS calls to OpenBLAS; it has to be loaded before
+    `mlx.core`. Everywhere else, and whenever it cannot be enabled, this does nothing but say why."""
+    return enable_fast_blas()

@@ -1,4 +1,4 @@
-"""Attention for the Linux CPU fast path (part of `engine.runtime.cpu.fastpath`): the same mathematics as
+"""Attention for the Linux CPU fast path (its third part, after `blas` and `weights`): the same mathematics as
 `mx.fast.scaled_dot_product_attention`, laid out for MLX's CPU backend.
 
 Why: on MLX's CPU backend `scaled_dot_product_attention` has no fused kernel. It repeats the grouped K/V
@@ -18,7 +18,7 @@ What this module does instead, all in MLX ops:
 Measured (same shapes): prefill chunk 512x512 37 -> 19 ms, 512x2048 149 -> 80 ms per layer. One-token
 decoding stays with MLX's function (`attention` picks; see MIN_QUERIES_FOR_GROUPED).
 
-Only used when `active()`: Linux, the fast path on (`cpu_fastpath.prefer_fp32_weights()`, which also
+Only used when `active()`: Linux, the fast path on (`engine.runtime.cpu.weights.prefer_fp32_weights()`, which also
 means the model computes in fp32 on the CPU), and `mx.compile` works (it needs a C++ compiler at run time on
 Linux; without one the grouped, blocked layout is kept with MLX's own softmax). macOS never comes here.
 """
@@ -30,6 +30,9 @@ import os
 from typing import Any
 
 import mlx.core as mx
+
+from engine.runtime.cpu.weights import prefer_fp32_weights
+from engine.runtime.masks import apply_attention_mask, named_mask
 
 ENV_SWITCH = "VELOX_FAST_ATTENTION"
 # Scores per block (1 MB of float32); 64k-512k measured within 5% of each other at 512x2048, 1M+ is slow.
@@ -85,12 +88,10 @@ def active() -> bool:
     """True when this module's attention should replace MLX's on this process's default device."""
     global _active, _compiled_exp_parts
     if _active is None:
-        from engine.runtime.cpu import fastpath as cpu_fastpath
-
         _compiled_exp_parts = mx.compile(_exp_parts, shapeless=True)
         if not _compiles_here():
             _compiled_exp_parts = None
-        _active = os.environ.get(ENV_SWITCH, "1") != "0" and cpu_fastpath.prefer_fp32_weights()
+        _active = os.environ.get(ENV_SWITCH, "1") != "0" and prefer_fp32_weights()
     return _active and mx.default_device() == mx.cpu
 
 
@@ -138,8 +139,6 @@ def grouped_attention(
     `mask` is what mlx-lm passes: None, "causal" (the L queries are the last L of the N positions) or an
     array broadcastable to [B, n_q_heads, L, N] (boolean: True may attend; otherwise additive).
     """
-    from engine.kvcache.base import apply_attention_mask
-
     batch, n_query_heads, n_queries, head_dim = queries.shape
     n_kv = keys.shape[1]
     n_keys = keys.shape[2]
@@ -170,10 +169,7 @@ def _mask_rows(mask: mx.array | str | None, start: int, stop: int, n_queries: in
     if mask is None or (start == 0 and stop == n_queries):
         return mask
     if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"Unknown attention mask {mask!r}.")
-        positions = mx.arange(n_keys - n_queries + start, n_keys - n_queries + stop)
-        return positions[:, None] >= mx.arange(n_keys)[None]
+        return named_mask(mask, n_keys - n_queries + start, stop - start, n_keys)
     if mask.ndim >= 2 and mask.shape[-2] == n_queries:
         return mask[..., start:stop, :]
     return mask  # one row broadcast over every query
