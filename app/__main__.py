@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from app.main import run_app
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m app", description="The Velox desktop app.")
     parser.add_argument("--model", "-m", default=None,
                         help="model folder, 'org/name' in the Hugging Face cache, or 'default'")
     args = parser.parse_args()
-    from app.main import run_app
-
     return run_app(model=args.model)
 
 

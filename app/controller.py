@@ -19,6 +19,9 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from app.settings import AUTO_COMPRESSION, Settings, load_settings, save_settings
 from app.store import ConversationStore, StoreError
 from app.worker import EngineThread, compression_levels, find_level, level_summary
+from engine.models.catalog import list_models
+from engine.planning.memory import snapshot
+from engine.planning.units import format_bytes
 
 MEMORY_POLL_MS = 1000
 TITLE_LENGTH = 48
@@ -186,8 +189,6 @@ class ChatController(QObject):
 
     def list_models(self) -> list[Any]:
         """The engine's catalogue (reads only JSON headers: milliseconds, no MLX work)."""
-        from engine.models.catalog import list_models
-
         return list_models()
 
     def _on_model_loaded(self, summary: dict[str, Any]) -> None:
@@ -516,8 +517,6 @@ class ChatController(QObject):
 
     def refresh_memory(self) -> dict[str, Any]:
         """Read system, process and MLX memory (cheap counters, no MLX work) and publish them."""
-        from engine.planning.memory import snapshot
-
         started = time.perf_counter()
         snap = snapshot(None)
         reading = {
@@ -539,8 +538,6 @@ class ChatController(QObject):
 
     def memory_line(self) -> str:
         """One line for the tray menu: free RAM and the cache held."""
-        from engine.planning.memory import format_bytes
-
         if not self.last_memory:
             return "Memory: reading…"
         m = self.last_memory

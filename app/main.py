@@ -1,6 +1,6 @@
 """Start the desktop app: `python -m app` or `velox app`.
 
-Order matters: the MLX runtime is prepared before anything imports MLX, then Qt starts. With a system tray
+The MLX runtime is prepared by `import engine` (the controller imports it) before MLX loads. With a system tray
 (macOS menu bar, most Linux desktops) the app lives there and closing the window keeps it running; without
 one (`QSystemTrayIcon.isSystemTrayAvailable()` False: offscreen, some Linux desktops) it is a plain window
 that quits when closed.
@@ -8,13 +8,26 @@ that quits when closed.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import PySide6
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QIcon, QPalette
+from PySide6.QtWidgets import QApplication, QSystemTrayIcon
+
 from app.assets import asset_path
+from app.controller import ChatController
 from app.qt_platform import qt_platform_problem
+from app.settings import load_settings
+from app.store import ConversationStore
+from app.views.chat_window import ChatWindow
+from app.views.tray import TrayIcon
+from app.views.widgets.theme import DARK, colors, style_sheet, ui_font
+from engine.kvcache import all_method_info
 
 
 def qt_binding_problem() -> str | None:
@@ -26,9 +39,6 @@ def qt_binding_problem() -> str | None:
     """
     if sys.version_info >= (3, 12):
         return None
-    import PySide6
-    from PySide6.QtCore import QObject, Signal
-
     class _Probe(QObject):
         ping = Signal(int)
 
@@ -54,7 +64,7 @@ def hide_dock_icon() -> None:
     if sys.platform != "darwin":
         return
     try:
-        from AppKit import NSApplication, NSApplicationActivationPolicyAccessory
+        from AppKit import NSApplication, NSApplicationActivationPolicyAccessory  # macOS-only, optional
     except ImportError:
         return  # PyObjC is not a dependency; a Dock icon while running unbundled is harmless
     NSApplication.sharedApplication().setActivationPolicy_(NSApplicationActivationPolicyAccessory)
@@ -63,10 +73,6 @@ def hide_dock_icon() -> None:
 def apply_theme(app: Any, theme: str) -> None:
     """Fusion style off macOS (consistent on every Linux desktop), the chosen light/dark scheme, our font
     and style sheet."""
-    from PySide6.QtCore import Qt
-
-    from app.views.widgets.theme import colors, style_sheet, ui_font
-
     if sys.platform != "darwin":
         app.setStyle("Fusion")
     hints = app.styleHints()
@@ -80,10 +86,6 @@ def apply_theme(app: Any, theme: str) -> None:
 
 
 def _dark_palette() -> Any:
-    from PySide6.QtGui import QColor, QPalette
-
-    from app.views.widgets.theme import DARK
-
     palette = QPalette()
     roles = {
         QPalette.ColorRole.Window: DARK.window, QPalette.ColorRole.WindowText: DARK.text,
@@ -99,11 +101,7 @@ def _dark_palette() -> Any:
 
 
 def method_catalogue() -> list[Any]:
-    """The KV cache methods for the Advanced picker (engine.kvcache imports MLX; the runtime is ready)."""
-    try:
-        from engine.kvcache import all_method_info
-    except ImportError:
-        return []
+    """The KV cache methods for the Advanced picker: those that need no calibration."""
     return [info for info in all_method_info() if not info.needs_calibration]
 
 
@@ -114,13 +112,6 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
 
     `loaded` adopts an already loaded (model, tokenizer, info) (tests, screenshots); `use_tray` None means
     "if the system has one"."""
-    from PySide6.QtWidgets import QSystemTrayIcon
-
-    from app.controller import ChatController
-    from app.settings import load_settings
-    from app.store import ConversationStore
-    from app.views.chat_window import ChatWindow
-
     settings = load_settings(settings_path)
     store = ConversationStore(store_path)
     controller = ChatController(store, settings, settings_path)
@@ -128,8 +119,6 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
     window = ChatWindow(controller, quit_on_close=not tray_available, methods=method_catalogue())
     tray = None
     if tray_available:
-        from app.views.tray import TrayIcon
-
         tray = TrayIcon(controller, window)
     if store.notice:
         window.banner.show_message(store.notice, "notice")
@@ -139,12 +128,6 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
 
 def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     """Run the app until it quits; returns the exit code."""
-    from engine.runtime import prepare_runtime
-
-    prepare_runtime()  # before anything imports MLX
-    from PySide6.QtGui import QIcon
-    from PySide6.QtWidgets import QApplication, QSystemTrayIcon
-
     problem = qt_platform_problem() or qt_binding_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -154,8 +137,6 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     app.setApplicationDisplayName("Velox")
     app.setOrganizationName("Velox")
     app.setWindowIcon(QIcon(str(asset_path("velox-icon.png"))))
-    from app.settings import load_settings
-
     apply_theme(app, load_settings().theme)
     tray_available = QSystemTrayIcon.isSystemTrayAvailable()
     if tray_available:
@@ -167,8 +148,6 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     if hasattr(hints, "colorSchemeChanged"):  # Qt 6.5+: follow the system's light/dark switch live
 
         def follow_scheme(*_args: Any) -> None:
-            from app.views.widgets.theme import colors, style_sheet
-
             app.setStyleSheet(style_sheet(colors()))
             window.restyle()
 
@@ -185,10 +164,6 @@ def _quit_on_ctrl_c(app: Any) -> None:
 
     Python runs signal handlers only between bytecodes, never while Qt's C++ event loop waits; a timer that
     wakes the interpreter a few times a second lets the handler run."""
-    import signal
-
-    from PySide6.QtCore import QTimer
-
     signal.signal(signal.SIGINT, lambda *_args: app.quit())
     waker = QTimer(app)
     waker.setInterval(250)

@@ -16,7 +16,7 @@ Schema versions live in `PRAGMA user_version`; `MIGRATIONS[i]` upgrades version 
 newer Velox is refused with a clear error and left untouched. A file SQLite reports as damaged is moved
 aside (renamed with a timestamp, never deleted) and a fresh one is started; `notice` says where it went.
 
-Nothing here imports MLX or Qt at import time (the app opens the store before the MLX runtime is set up).
+Nothing here imports Qt.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from engine.chat.documents import Document
+from engine.chat.session import Message
 from engine.errors import VeloxError
 from engine.paths import data_dir
-
-if TYPE_CHECKING:
-    from engine.chat.session import Message
 
 DATABASE_FILE_NAME = "velox.sqlite3"
 SCHEMA_VERSION = 1
@@ -513,9 +512,6 @@ class ConversationStore:
         """The user and assistant messages as engine.chat.session.Message objects, documents included, ready
         to become a ChatSession's `history`. System messages are skipped: a session keeps its system
         prompt separately (ChatSession.system_prompt)."""
-        from engine.chat.documents import Document  # engine.chat.documents and engine.chat.session import MLX
-        from engine.chat.session import Message
-
         history = []
         for message in messages:
             if message.role == "system":

@@ -23,7 +23,27 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine.errors import CancelledError, ContextOverflowError, DownloadError, VeloxError
+from engine.chat.documents import count_tokens, load_document
+from engine.chat.session import (
+    ChatSession,
+    GenerationSettings,
+    GenerationStats,
+    Message,
+    Notice,
+    PrefillProgress,
+    TextChunk,
+)
+from engine.errors import (
+    CancelledError,
+    ConfigError,
+    ContextOverflowError,
+    DownloadError,
+    MemoryBudgetError,
+    VeloxError,
+)
+from engine.models.catalog import load_model, resolve_model
+from engine.planning.memory import system_memory
+from engine.planning.recommend import LEVELS, cache_bytes, check_fits, fit_verdicts, recommend
 
 # How often the worker reports live numbers while it runs a job: often enough for a smooth plot and gauges,
 # rarely enough that signals never flood the GUI's event queue.
@@ -39,8 +59,6 @@ GIL_SWITCH_INTERVAL_S = 0.001
 
 def compression_levels() -> list[Any]:
     """The engine's compression levels (16/8/4/3/2 bits) in slider order."""
-    from engine.planning.recommend import LEVELS
-
     return list(LEVELS)  # highest precision first, the slider's order
 
 
@@ -146,8 +164,6 @@ class EngineWorker(QObject):
     @Slot(str)
     def load_model(self, spec: str) -> None:
         """Load a model (a folder, 'org/name' in the HF cache, or '' for the embedded default)."""
-        from engine.models.catalog import load_model, resolve_model
-
         self.busyChanged.emit(True, "loading")
         try:
             def progress(message: str, fraction: float) -> None:
@@ -173,8 +189,6 @@ class EngineWorker(QObject):
         self._install_model(model, tokenizer, info)
 
     def _install_model(self, model: Any, tokenizer: Any, info: Any) -> None:
-        from engine.chat.session import ChatSession, GenerationSettings
-
         self._model, self._tokenizer, self.info = model, tokenizer, info
         self.session = ChatSession(model, tokenizer, context_length=info.max_context or None,
                                    settings=GenerationSettings(**self._defaults))
@@ -187,9 +201,6 @@ class EngineWorker(QObject):
         self.recommendation.emit(self._recommend(info.max_context))
 
     def _recommend(self, context_tokens: int) -> dict[str, Any] | None:
-        from engine.planning.memory import system_memory
-        from engine.planning.recommend import recommend
-
         try:
             # The model is loaded: its weights are already out of the "available" memory.
             result = recommend(self.info, context_tokens, system_memory()["available"], weights_bytes=0)
@@ -234,8 +245,6 @@ class EngineWorker(QObject):
         self._run_turn("", options, regenerate=True)
 
     def _generation_settings(self, options: dict[str, Any]) -> Any:
-        from engine.chat.session import GenerationSettings
-
         policy = options.get("overflow_policy") or self._overflow_policy
         if options.get("overflow_policy"):
             # The user chose how this conversation may overflow; later turns keep that choice.
@@ -249,8 +258,6 @@ class EngineWorker(QObject):
         )
 
     def _run_turn(self, text: str, options: dict[str, Any], *, regenerate: bool) -> None:
-        from engine.chat.session import GenerationStats, Notice, PrefillProgress, TextChunk
-
         if self.session is None:
             self.turnFailed.emit("No model is loaded yet.")
             self.busyChanged.emit(False, "")
@@ -346,9 +353,6 @@ class EngineWorker(QObject):
     @Slot(str)
     def inspect_document(self, path: str) -> None:
         """Read a document and report its size in tokens, whether it fits the context and each level's memory."""
-        from engine.chat.documents import count_tokens, load_document
-        from engine.planning.memory import system_memory
-
         if self.session is None:
             self.documentFailed.emit(path, "Load a model before attaching a document.")
             return
@@ -369,8 +373,6 @@ class EngineWorker(QObject):
         self._inspected[doc_id] = document
         session = self.session
         # The whole conversation with this document and an empty question, plus room for a reply.
-        from engine.chat.session import Message
-
         draft = [*session.history, Message("user", "", [*session.pending_documents, document])]
         needed = len(session.render_tokens(draft)) + session.settings.max_tokens
         available = int(system_memory()["available"])
@@ -393,8 +395,6 @@ class EngineWorker(QObject):
         self.busyChanged.emit(False, "")
 
     def _verdicts(self, n_tokens: int, available: int) -> list[dict[str, Any]]:
-        from engine.planning.recommend import fit_verdicts
-
         return [
             {
                 "key": verdict.level.key,
@@ -477,10 +477,6 @@ class EngineWorker(QObject):
     def _memory_refusal(self, n_tokens: int) -> str:
         """The engine's explanation if a cache of `n_tokens` at the current level would not fit in memory
         (checked before the work starts, so the OS never has to kill the app); '' when it fits."""
-        from engine.errors import ConfigError, MemoryBudgetError
-        from engine.planning.memory import system_memory
-        from engine.planning.recommend import check_fits
-
         held = self.session.kv_cache_bytes()  # already allocated: it is not "available" any more, but is ours
         try:
             check_fits(self.info, min(n_tokens, self.session.context_length), self._level_key,
@@ -491,11 +487,6 @@ class EngineWorker(QObject):
 
     def _check_memory(self, document: Any) -> bool:
         """Refuse, with the engine's explanation, a document whose cache would not fit in memory."""
-        from engine.chat.session import Message
-        from engine.errors import ConfigError, MemoryBudgetError
-        from engine.planning.memory import system_memory
-        from engine.planning.recommend import check_fits
-
         session = self.session
         draft = [*session.history, Message("user", "", [*session.pending_documents, document])]
         n_tokens = min(len(session.render_tokens(draft)) + session.settings.max_tokens, session.context_length)
@@ -561,8 +552,6 @@ class EngineWorker(QObject):
     def _fp16_bytes(self, n_tokens: int) -> int:
         level = find_level("16")
         if level is not None:
-            from engine.planning.recommend import cache_bytes
-
             try:
                 return int(cache_bytes(self.info, n_tokens, level))
             except VeloxError:
@@ -614,7 +603,7 @@ class DownloadWorker(QObject):
         self.finished.emit(folder)
 
     def _download(self, repo: str) -> str:
-        try:
+        try:  # huggingface_hub is only needed for downloads: loaded on the first one
             from huggingface_hub import snapshot_download
             from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
         except ImportError as error:
@@ -686,7 +675,7 @@ class DownloadWorker(QObject):
         except RepositoryNotFoundError as error:
             raise DownloadError(f"There is no model named {repo} on Hugging Face (or it is private).") from error
         except LocalEntryNotFoundError as error:
-            from huggingface_hub import constants
+            from huggingface_hub import constants  # loaded with snapshot_download above
 
             if constants.HF_HUB_OFFLINE:
                 raise DownloadError(

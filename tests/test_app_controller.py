@@ -187,12 +187,12 @@ def test_reply_caption_reads_like_a_status_line():
 
 
 def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_controller, qtbot, monkeypatch):
-    import engine.planning.memory
+    import app.worker
 
     controller = make_controller()
     tiny = {"total": 8_000_000_000, "available": 50_000_000, "used": 7_950_000_000, "percent": 99.4,
             "pressure": "critical"}
-    monkeypatch.setattr(engine.planning.memory, "system_memory", lambda: dict(tiny))
+    monkeypatch.setattr(app.worker, "system_memory", lambda: dict(tiny))
     errors = []
     controller.errorRaised.connect(errors.append)
     assert controller.send("What is the capital of France?")

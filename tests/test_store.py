@@ -295,12 +295,6 @@ def test_a_write_blocked_too_long_is_a_clear_error(db_path: Path, monkeypatch: p
     store.close()
 
 
-def test_importing_does_not_load_mlx() -> None:
-    code = "import sys, app.store, app.settings; print('mlx' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
-    assert result.stdout.strip() == "False"
-
-
 # ------------------------------------------------------------------------------------------------- settings
 
 

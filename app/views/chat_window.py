@@ -45,6 +45,7 @@ from app.views.widgets.memory_panel import MemoryPanel, section_title
 from app.views.widgets.message_view import MessageList, document_chip
 from app.views.widgets.model_picker import ModelPickerDialog, format_parameters
 from app.views.widgets.theme import colors
+from engine.planning.units import format_bytes
 
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm")
 DOCUMENT_FILTER = "Documents (*.pdf *.md *.markdown *.txt *.html *.htm);;All files (*)"
@@ -54,12 +55,6 @@ INSPECTOR_WIDTH = 292
 PROGRESS_MIN_TOKENS = 256
 BUSY_TEXT = {"loading": "Loading model…", "thinking": "Thinking…", "reading": "Reading…",
              "compressing": "Re-encoding the cache…"}
-
-
-def _format_bytes(n: int | float) -> str:
-    from engine.planning.memory import format_bytes  # late: engine.planning.memory imports MLX
-
-    return format_bytes(n)
 
 
 class ChatWindow(QMainWindow):
@@ -319,7 +314,7 @@ class ChatWindow(QMainWindow):
         context = f"{model['max_context'] // 1024}k" if model["max_context"] >= 1024 else str(model["max_context"])
         self.model_button.setText(f" {model['name']}")
         self.model_button.setToolTip(f"{model['name']} · {format_parameters(model['parameters'])} parameters · "
-                                     f"{context} context · {_format_bytes(model['bytes_on_disk'])} on disk\n"
+                                     f"{context} context · {format_bytes(model['bytes_on_disk'])} on disk\n"
                                      "Click to choose another model")
         self.composer.set_model_ready(True)
         self.status_label.setText(f"{format_parameters(model['parameters'])} parameters · {context} context")

@@ -19,14 +19,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.views.widgets.theme import colors, qcolor
+from engine.planning.units import format_bytes
 
 HANDLE_WIDTH = 18  # the slider handle's width in the style sheet (16 px + border)
-
-
-def _format_bytes(n: int | float) -> str:
-    from engine.planning.memory import format_bytes  # late: engine.planning.memory imports MLX
-
-    return format_bytes(n)
 
 
 def tick_label(level: dict[str, Any]) -> str:
@@ -154,7 +149,7 @@ class CompressionSlider(QWidget):
         before, after = int(report.get("before", 0)), int(report.get("after", 0))
         text = f"Switched live to {report['label']} ({report.get('method', '')})."
         if before or after:
-            text += f" Cache {_format_bytes(before)} → {_format_bytes(after)}."
+            text += f" Cache {format_bytes(before)} → {format_bytes(after)}."
         self.status.setText(text)
 
     # ----- internals ----------------------------------------------------------------------------------------------

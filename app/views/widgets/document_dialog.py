@@ -29,12 +29,6 @@ from app.views.widgets.theme import colors
 TRUNCATE_MIDDLE = "truncate-middle"
 
 
-def _format_bytes(n: int | float) -> str:
-    from engine.planning.memory import format_bytes  # late: engine.planning.memory imports MLX
-
-    return format_bytes(n)
-
-
 def default_level(report: dict[str, Any]) -> str:
     """The level to preselect: the current one if it fits, else the recommendation, else the best that fits."""
     verdicts = {v["key"]: v for v in report.get("verdicts", [])}

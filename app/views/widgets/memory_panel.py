@@ -10,13 +10,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 from app.views.widgets.gauge import Gauge
 from app.views.widgets.theme import colors
 from app.views.widgets.throughput_plot import ThroughputPlot
-
-
-def _format_bytes(n: int | float) -> str:
-    # engine.planning.memory.format_bytes, imported late: importing engine.planning.memory imports MLX.
-    from engine.planning.memory import format_bytes
-
-    return format_bytes(n)
+from engine.planning.units import format_bytes
 
 
 def section_title(text: str) -> QLabel:
@@ -67,22 +61,22 @@ class MemoryPanel(QWidget):
         total = max(int(m["system_total"]), 1)
         pressure_color = {"normal": c.good, "warning": c.warn, "critical": c.bad}.get(m["pressure"], c.accent)
         self.system_gauge.set_value(
-            m["system_used"] / total, f"{_format_bytes(m['system_used'])} of {_format_bytes(total)}",
-            f"{_format_bytes(m['system_available'])} available · pressure {m['pressure']}", pressure_color)
-        self.process_gauge.set_value(m["process_rss"] / total, _format_bytes(m["process_rss"]),
+            m["system_used"] / total, f"{format_bytes(m['system_used'])} of {format_bytes(total)}",
+            f"{format_bytes(m['system_available'])} available · pressure {m['pressure']}", pressure_color)
+        self.process_gauge.set_value(m["process_rss"] / total, format_bytes(m["process_rss"]),
                                      "resident in RAM", c.accent)
-        self.mlx_gauge.set_value(m["mlx_active"] / total, _format_bytes(m["mlx_active"]),
-                                 f"peak {_format_bytes(m['mlx_peak'])} · free-list {_format_bytes(m['mlx_cache'])}",
+        self.mlx_gauge.set_value(m["mlx_active"] / total, format_bytes(m["mlx_active"]),
+                                 f"peak {format_bytes(m['mlx_peak'])} · free-list {format_bytes(m['mlx_cache'])}",
                                  c.accent)
         held, fp16 = int(m["kv_held"]), int(m["kv_fp16"])
         scale = max(held, fp16, 1)
         if fp16 > 0:
-            detail = f"16-bit would need {_format_bytes(fp16)}"
+            detail = f"16-bit would need {format_bytes(fp16)}"
             if held and fp16 >= held:
                 detail += f" · {fp16 / held:.1f}× smaller" if fp16 > held * 1.05 else ""
         else:
             detail = "empty"
-        self.kv_gauge.set_value(held / scale, _format_bytes(held), detail, c.plot_prefill,
+        self.kv_gauge.set_value(held / scale, format_bytes(held), detail, c.plot_prefill,
                                 marker=fp16 / scale if fp16 else None)
 
     def add_throughput(self, phase: str, tokens_per_second: float) -> None:
@@ -91,4 +85,4 @@ class MemoryPanel(QWidget):
     def update_stats(self, stats: dict[str, Any]) -> None:
         self.ttft_value.setText(f"{stats['time_to_first_token']:.2f} s")
         self.prompt_value.setText(f"{stats['prompt_tokens']} tokens ({stats['reused_tokens']} reused)")
-        self.peak_value.setText(_format_bytes(stats["peak_memory_bytes"]))
+        self.peak_value.setText(format_bytes(stats["peak_memory_bytes"]))

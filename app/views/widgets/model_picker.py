@@ -22,14 +22,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.views.widgets.theme import colors
+from engine.planning.units import format_bytes
 
 SOURCE_NAMES = {"embedded": "Built in", "local": "Folder", "hf-cache": "Hugging Face"}
-
-
-def _format_bytes(n: int | float) -> str:
-    from engine.planning.memory import format_bytes  # late: engine.planning.memory imports MLX
-
-    return format_bytes(n)
 
 
 def format_parameters(count: int) -> str:
@@ -125,7 +120,7 @@ class ModelPickerDialog(QDialog):
                 name,
                 QTableWidgetItem(SOURCE_NAMES.get(info.source, info.source)),
                 QTableWidgetItem(format_parameters(info.parameters)),
-                QTableWidgetItem(_format_bytes(info.bytes_on_disk) if info.bytes_on_disk else "—"),
+                QTableWidgetItem(format_bytes(info.bytes_on_disk) if info.bytes_on_disk else "—"),
                 QTableWidgetItem(f"{info.max_context:,}" if info.max_context else "—"),
             ]
             for column, item in enumerate(cells):

@@ -7,7 +7,7 @@ On macOS the system font and accent colour are kept; elsewhere the nearest clean
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from PySide6.QtGui import QColor, QFont, QFontDatabase, QGuiApplication, QPalette
 
@@ -71,8 +71,6 @@ def colors() -> Colors:
     base = DARK if is_dark() else LIGHT
     if sys.platform == "darwin":
         accent = QGuiApplication.palette().color(QPalette.ColorRole.Accent).name()
-        from dataclasses import replace
-
         base = replace(base, accent=accent, user_bubble=accent, plot_decode=accent)
     return base
 
