@@ -3,6 +3,7 @@ dispatcher, and, in child processes (a malformed ELF crashes only the child), ca
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from pathlib import Path
 
@@ -254,3 +255,21 @@ def test_sysv_hash_matches_the_abi_reference_values() -> None:
     # A long name exercises the folding of the high nibble.
     assert elf_shim._sysv_elf_hash(b"scipy_cblas_zgemm") == 0x0850EACD
 
+
+
+# sha256 of the shim for "/opt/libopenblas.so" and every forwarded name, with and without the one-row
+# dispatcher, as generated before the split of engine/runtime/cpu/fastpath.py (format version 2).
+PINNED_SHIM_SHA256 = {
+    True: "7a5c3caf099d6bcdde5c7c8dd9427d48a73cc055a11b961757e55f30fbd6ae29",
+    False: "e4ce794c52df408f134837751899faa4df96cf58bfabd441de8fb34651e61fc9",
+}
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_generated_bytes_change_only_with_the_format_version(dispatch: bool) -> None:
+    """A refactoring must not change a single byte; a deliberate change updates the pin and bumps
+    blas._SHIM_FORMAT_VERSION, so cached shims from the old generator are not reused."""
+    image = elf_shim.build_forwarding_shim(
+        "/opt/libopenblas.so", blas.FORWARDED_CBLAS_SYMBOLS, dispatch_single_row_sgemm=dispatch
+    )
+    assert (hashlib.sha256(image).hexdigest(), blas._SHIM_FORMAT_VERSION) == (PINNED_SHIM_SHA256[dispatch], 2)

@@ -219,13 +219,7 @@ def build_forwarding_shim(
     (the default), ``cblas_sgemm`` is the dispatcher :data:`_SGEMM_DISPATCHER` instead of a plain jump.
     """
     programs = [_function_program(name, dispatch_single_row_sgemm) for name in exported_names]
-    # Every function the code jumps to, in order of first use: the scipy_ name of each export, plus
-    # scipy_cblas_sgemv for the dispatcher when cblas_sgemv itself is not exported. One GOT slot each.
-    imported_names: list[str] = []
-    for program in programs:
-        for item, _ in program:
-            if isinstance(item, _GotJump) and item.symbol not in imported_names:
-                imported_names.append(item.symbol)
+    imported_names = _jump_targets(programs)
     import_count = len(imported_names)
     dynstr = _StringTable()
     needed_offset = dynstr.add(needed_library)
@@ -235,16 +229,7 @@ def build_forwarding_shim(
     export_name_offsets = [dynstr.add(name) for name in exported_names]
     symbol_names = [b""] + [name.encode() for name in imported_names] + [n.encode() for n in exported_names]
     symbol_count = len(symbol_names)
-
-    bucket_count = symbol_count
-    buckets = [0] * bucket_count
-    chains = [0] * symbol_count
-    for index in range(1, symbol_count):
-        bucket = _sysv_elf_hash(symbol_names[index]) % bucket_count
-        chains[index] = buckets[bucket]
-        buckets[bucket] = index
-    hash_table = struct.pack(f"<{2 + bucket_count + symbol_count}I", bucket_count, symbol_count,
-                             *buckets, *chains)  # fmt: skip
+    hash_table = _hash_table(symbol_names)
 
     program_header_count = 4
     hash_offset = _align(_ELF_HEADER_SIZE + program_header_count * _PROGRAM_HEADER_SIZE, 8)
@@ -252,15 +237,7 @@ def build_forwarding_shim(
     dynstr_offset = dynsym_offset + symbol_count * _SYMBOL_SIZE
     rela_offset = _align(dynstr_offset + len(dynstr.data), 8)
     text_offset = _align(rela_offset + import_count * _RELA_SIZE, 16)
-    # Functions follow each other in .text, each starting _FUNCTION_ALIGNMENT-aligned; their sizes do not
-    # depend on where they go, so the layout is known before any displacement is computed.
-    function_addresses = []
-    text_end = text_offset
-    for program in programs:
-        text_end = _align(text_end, _FUNCTION_ALIGNMENT)
-        function_addresses.append(text_end)
-        text_end += _program_size(program)
-    text_end = _align(text_end, _FUNCTION_ALIGNMENT)
+    function_addresses, text_end = _function_layout(programs, text_offset)
     # The read+execute segment ends at text_end however long .text is; the writable one starts a page on.
     dynamic_offset = _align(text_end, _PAGE)
     dynamic_entries = [
@@ -281,23 +258,17 @@ def build_forwarding_shim(
     writable_end = got_offset + import_count * 8
     got_slots = {name: got_offset + index * 8 for index, name in enumerate(imported_names)}
 
-    symbols = bytearray(_SYMBOL_SIZE)  # the null symbol
-    for name_offset in target_name_offsets:
-        symbols += struct.pack("<IBBHQQ", name_offset, _STB_GLOBAL_STT_FUNC, 0, 0, 0, 0)
-    for name_offset, address, program in zip(export_name_offsets, function_addresses, programs, strict=True):
-        symbols += struct.pack("<IBBHQQ", name_offset, _STB_GLOBAL_STT_FUNC, 0, _TEXT_SECTION_INDEX,
-                               address, _program_size(program))  # fmt: skip
-
-    relocations = bytearray()
-    for index, name in enumerate(imported_names):
-        relocation_info = ((1 + index) << 32) | _R_X86_64_GLOB_DAT  # symbol 1 + index, in .dynsym
-        relocations += struct.pack("<QQq", got_slots[name], relocation_info, 0)
+    symbols = _dynamic_symbols(target_name_offsets, export_name_offsets, function_addresses, programs)
+    relocations = b"".join(
+        # symbol 1 + index in .dynsym is imported_names[index]
+        struct.pack("<QQq", got_slots[name], ((1 + index) << 32) | _R_X86_64_GLOB_DAT, 0)
+        for index, name in enumerate(imported_names)
+    )
     text = bytearray(b"\xcc" * (text_end - text_offset))  # int3 fills the gaps between functions
     for address, program in zip(function_addresses, programs, strict=True):
         code = _assemble(program, address, got_slots)
         text[address - text_offset : address - text_offset + len(code)] = code
 
-    shstrtab = _StringTable()
     section_specs = [  # name, type, flags, offset, size, link, info, alignment, entry size
         ("", 0, 0, 0, 0, 0, 0, 0, 0),
         (".hash", _SHT_HASH, _SHF_ALLOC, hash_offset, len(hash_table), 2, 0, 8, 4),
@@ -309,17 +280,9 @@ def build_forwarding_shim(
         (".got", _SHT_PROGBITS, _SHF_ALLOC | _SHF_WRITE, got_offset, import_count * 8, 0, 0, 8, 8),
         (".shstrtab", _SHT_STRTAB, 0, 0, 0, 0, 0, 1, 0),
     ]
-    for spec in section_specs:
-        shstrtab.add(spec[0])
     shstrtab_offset = writable_end
-    section_headers_offset = _align(shstrtab_offset + len(shstrtab.data), 8)
-    section_headers = bytearray()
-    for name, kind, flags, offset, size, link, info, alignment, entry_size in section_specs:
-        if name == ".shstrtab":
-            offset, size = shstrtab_offset, len(shstrtab.data)
-        address = offset if flags & _SHF_ALLOC else 0
-        section_headers += struct.pack("<IIQQQQIIQQ", shstrtab.add(name), kind, flags, address, offset,
-                                       size, link, info, alignment, entry_size)  # fmt: skip
+    shstrtab, section_headers = _section_headers(section_specs, shstrtab_offset)
+    section_headers_offset = _align(shstrtab_offset + len(shstrtab), 8)
 
     writable_size = writable_end - dynamic_offset
     program_headers = b"".join(
@@ -331,12 +294,7 @@ def build_forwarding_shim(
             _program_header(_PT_GNU_STACK, _PF_R | _PF_W, 0, 0, 16),
         ]
     )
-    elf_identification = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)  # 64-bit, little-endian, SysV
-    elf_header = elf_identification + struct.pack(
-        "<HHIQQQIHHHHHH", _ET_DYN, _EM_X86_64, 1, 0, _ELF_HEADER_SIZE, section_headers_offset, 0,
-        _ELF_HEADER_SIZE, _PROGRAM_HEADER_SIZE, program_header_count, _SECTION_HEADER_SIZE,
-        len(section_specs), len(section_specs) - 1,
-    )  # fmt: skip
+    elf_header = _elf_header(section_headers_offset, program_header_count, len(section_specs))
 
     image = bytearray(section_headers_offset + len(section_headers))
     for offset, blob in [
@@ -348,8 +306,87 @@ def build_forwarding_shim(
         (rela_offset, relocations),
         (text_offset, text),
         (dynamic_offset, dynamic),
-        (shstrtab_offset, shstrtab.data),
+        (shstrtab_offset, shstrtab),
         (section_headers_offset, section_headers),
     ]:
         image[offset : offset + len(blob)] = blob
     return bytes(image)
+
+
+def _jump_targets(programs: list[list[tuple[_Instruction, str]]]) -> list[str]:
+    """Every function the code jumps to, in order of first use: the scipy_ name of each export, plus
+    scipy_cblas_sgemv for the dispatcher when cblas_sgemv itself is not exported. One GOT slot each."""
+    names: list[str] = []
+    for program in programs:
+        for item, _ in program:
+            if isinstance(item, _GotJump) and item.symbol not in names:
+                names.append(item.symbol)
+    return names
+
+
+def _function_layout(programs: list[list[tuple[_Instruction, str]]], text_offset: int) -> tuple[list[int], int]:
+    """(each function's address, the end of .text). Functions follow each other, each starting
+    _FUNCTION_ALIGNMENT-aligned; their sizes do not depend on where they go, so the layout is known before
+    any displacement is computed."""
+    addresses = []
+    end = text_offset
+    for program in programs:
+        end = _align(end, _FUNCTION_ALIGNMENT)
+        addresses.append(end)
+        end += _program_size(program)
+    return addresses, _align(end, _FUNCTION_ALIGNMENT)
+
+
+def _dynamic_symbols(
+    target_name_offsets: list[int],
+    export_name_offsets: list[int],
+    function_addresses: list[int],
+    programs: list[list[tuple[_Instruction, str]]],
+) -> bytes:
+    """.dynsym: the null symbol, the imported targets (undefined), then the exported functions."""
+    symbols = bytearray(_SYMBOL_SIZE)
+    for name_offset in target_name_offsets:
+        symbols += struct.pack("<IBBHQQ", name_offset, _STB_GLOBAL_STT_FUNC, 0, 0, 0, 0)
+    for name_offset, address, program in zip(export_name_offsets, function_addresses, programs, strict=True):
+        symbols += struct.pack("<IBBHQQ", name_offset, _STB_GLOBAL_STT_FUNC, 0, _TEXT_SECTION_INDEX,
+                               address, _program_size(program))  # fmt: skip
+    return bytes(symbols)
+
+
+def _hash_table(symbol_names: list[bytes]) -> bytes:
+    """The DT_HASH table: one bucket per symbol, chains linking the symbols that share a bucket."""
+    count = len(symbol_names)
+    buckets = [0] * count
+    chains = [0] * count
+    for index in range(1, count):  # symbol 0 is the null symbol
+        bucket = _sysv_elf_hash(symbol_names[index]) % count
+        chains[index] = buckets[bucket]
+        buckets[bucket] = index
+    return struct.pack(f"<{2 + 2 * count}I", count, count, *buckets, *chains)
+
+
+def _section_headers(section_specs: list[tuple], shstrtab_offset: int) -> tuple[bytes, bytes]:
+    """(.shstrtab, the section header table) for `section_specs`; .shstrtab itself sits at
+    `shstrtab_offset`. Sections that are loaded have their file offset as address."""
+    shstrtab = _StringTable()
+    for spec in section_specs:
+        shstrtab.add(spec[0])
+    headers = bytearray()
+    for name, kind, flags, offset, size, link, info, alignment, entry_size in section_specs:
+        if name == ".shstrtab":
+            offset, size = shstrtab_offset, len(shstrtab.data)
+        address = offset if flags & _SHF_ALLOC else 0
+        headers += struct.pack("<IIQQQQIIQQ", shstrtab.add(name), kind, flags, address, offset,
+                               size, link, info, alignment, entry_size)  # fmt: skip
+    return bytes(shstrtab.data), bytes(headers)
+
+
+def _elf_header(section_headers_offset: int, program_header_count: int, section_count: int) -> bytes:
+    """The 64-byte Elf64_Ehdr of a little-endian x86-64 shared object (SysV ABI) with no entry point;
+    the last section is .shstrtab."""
+    identification = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)  # 64-bit, little-endian, SysV
+    return identification + struct.pack(
+        "<HHIQQQIHHHHHH", _ET_DYN, _EM_X86_64, 1, 0, _ELF_HEADER_SIZE, section_headers_offset, 0,
+        _ELF_HEADER_SIZE, _PROGRAM_HEADER_SIZE, program_header_count, _SECTION_HEADER_SIZE,
+        section_count, section_count - 1,
+    )  # fmt: skip
