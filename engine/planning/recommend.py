@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.chat.session import GenerationSettings
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import get_method
@@ -63,9 +64,8 @@ DEFAULT_SAFETY_FRACTION = 0.8
 # MLX's allocator buffers, the Python interpreter, tokenizer and the GUI: measured roughly (the app's
 # process with nothing loaded is ~200 MB resident), rounded up.
 RUNTIME_OVERHEAD_BYTES = 300_000_000
-# Tokens per prefill step; the same default as engine.chat.session.GenerationSettings.prefill_chunk (not
-# imported from there because engine.chat.session imports MLX).
-DEFAULT_PREFILL_CHUNK = 512
+# Tokens per prefill step: the chat session's default.
+DEFAULT_PREFILL_CHUNK = GenerationSettings.prefill_chunk
 # Attention scores and logits are computed in fp32 (activations stay fp32 on the CPU; on a GPU this is an
 # upper bound).
 _ACTIVATION_BYTES = 4
@@ -180,7 +180,7 @@ def working_bytes(info: ModelInfo, n_tokens: int, prefill_chunk: int = DEFAULT_P
 
 def resident_weights_bytes(info: ModelInfo, *, fp32_weights: bool = False) -> int:
     """Bytes the weights occupy once loaded: their size on disk, or parameters x 4 when the loader expands
-    them to fp32 (the Linux CPU fast path: engine.runtime.cpu.fastpath.prefer_fp32_weights())."""
+    them to fp32 (the Linux CPU fast path: engine.runtime.cpu.weights.prefer_fp32_weights())."""
     if fp32_weights and info.parameters > 0:
         return info.parameters * 4
     return info.bytes_on_disk
