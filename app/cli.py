@@ -1,49 +1,27 @@
 """`velox` command line: chat in the terminal, list models, show machine facts.
 
-Errors are one clear line on stderr and a non-zero exit code, never a traceback.
-MLX is reached only through `engine` (whose import sets up the optional Linux CPU fast path first).
+Errors are one clear line on stderr and a non-zero exit code, never a traceback. This module is the
+parser and nothing else; the commands are in `app.commands`, imported once a command runs, so `velox
+--help` and usage errors do not load the engine (mlx-lm imports transformers: ~2.5 s of CPU on the
+2-core test machine, against ~0.3 s for the parser alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import engine
-from app.logs import log_path, setup_logging, unexpected_error_line
-from engine.chat.documents import load_document
-from engine.chat.session import (
-    ChatSession,
-    GenerationSettings,
-    GenerationStats,
-    Notice,
-    PrefillProgress,
-    TextChunk,
-)
-from engine.errors import VeloxError
-from engine.kvcache import KVCacheConfig, describe_methods
-from engine.models.catalog import list_models, load_model, resolve_model
-from engine.planning.memory import snapshot
-from engine.planning.recommend import LEVELS
-from engine.planning.units import format_bytes
-from engine.runtime.status import runtime_status
+from app.logs import setup_logging, unexpected_error_line
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
-def _progress(message: str, fraction: float) -> None:
-    print(f"\r[{fraction * 100:5.1f}%] {message:<60}", end="", file=sys.stderr, flush=True)
-    if fraction >= 1.0:
-        print(file=sys.stderr)
-
-
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(harness: Any) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="velox", description="Chat with long documents on a local LLM.")
     sub = parser.add_subparsers(dest="command")
 
@@ -70,7 +48,6 @@ def _build_parser() -> argparse.ArgumentParser:
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
     bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed; from a source checkout)")
-    harness = _bench_harness()
     if harness is not None:
         harness.add_arguments(bench)
     else:
@@ -91,167 +68,22 @@ def _bench_harness() -> Any:
     return cli
 
 
-def _cache_config(args: argparse.Namespace) -> Any:
-    if args.kv is None and args.kv_bits is None:
-        return None
-    # Without --kv, the method is the one the app's compression level of that many bits uses (the level
-    # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
-    levels = {level.key: level for level in LEVELS}
-    if args.kv is None and str(args.kv_bits) in levels:
-        return levels[str(args.kv_bits)].to_config()
-    method = args.kv or levels["4"].method
-    if args.kv_bits is None:
-        return KVCacheConfig(method=method)
-    return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)
-
-
-def _print_stats(stats: Any) -> None:
-    print(
-        f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
-        f"prefill {stats.prefill_tokens_per_second:.1f} tok/s, decode {stats.decode_tokens_per_second:.1f} tok/s, "
-        f"TTFT {stats.time_to_first_token:.2f} s, peak {format_bytes(stats.peak_memory_bytes)}, "
-        f"KV cache {format_bytes(stats.kv_cache_bytes)}]",
-        file=sys.stderr,
-    )
-
-
-def _run_turn(session: Any, question: str, show_stats: bool) -> None:
-    try:
-        for event in session.send(question):
-            if isinstance(event, TextChunk):
-                print(event.text, end="", flush=True)
-            elif isinstance(event, PrefillProgress) and event.total > 2048:
-                print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr, flush=True)
-            elif isinstance(event, Notice):
-                print(f"[{event.text}]", file=sys.stderr)
-            elif isinstance(event, GenerationStats):
-                print(flush=True)
-                if event.finish_reason == "cancelled":
-                    print("[stopped]", file=sys.stderr)
-                if show_stats:
-                    _print_stats(event)
-    except KeyboardInterrupt:
-        # Ctrl-C while the generator was running: the session's own cleanup already ran in `finally`.
-        session.cancel()
-        print("\n[stopped]", file=sys.stderr)
-
-
-def _chat(args: argparse.Namespace) -> int:
-    settings = GenerationSettings(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        overflow_policy=None if args.overflow == "error" else args.overflow,
-    )
-    documents = [load_document(path) for path in args.doc]
-    cache_config = _cache_config(args)
-    path = resolve_model(args.model, progress=_progress)
-    model, tokenizer, info = load_model(path)
-    session = ChatSession(model, tokenizer, context_length=info.max_context, system_prompt=args.system,
-                          settings=settings)
-    if cache_config is not None:
-        session.set_compression(cache_config)
-    for document in documents:
-        session.attach_document(document)
-    if args.prompt is not None:
-        _run_turn(session, args.prompt, args.stats)
-        return 0
-    print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
-          file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line or line in {"/quit", "/exit"}:
-            return 0
-        if line == "/new":
-            session.new_chat()
-            continue
-        if line.startswith("/doc "):
-            try:
-                session.attach_document(load_document(line[5:].strip()))
-                print("[attached]", file=sys.stderr)
-            except VeloxError as error:
-                print(f"error: {error}", file=sys.stderr)
-            continue
-        _run_turn(session, line, args.stats)
-
-
-def _models() -> int:
-    for info in list_models():
-        status = "ready" if info.ready else "not ready"
-        print(f"{info.name:<40} {info.source:<9} {format_bytes(info.bytes_on_disk):>9} "
-              f"ctx {info.max_context:>6}  {status}{'  — ' + info.note if info.note else ''}")
-        if info.path:
-            print(f"    {info.path}")
-    return 0
-
-
-def _info() -> int:
-    snap = snapshot()
-    print(f"velox {engine.__version__} on {platform.system()} {platform.machine()}, Python {platform.python_version()}")
-    for key, value in runtime_status().items():
-        print(f"{key}: {value}")
-    print(f"memory: {format_bytes(snap.system_available)} available of {format_bytes(snap.system_total)} "
-          f"({snap.pressure}); this process {format_bytes(snap.process_rss)}")
-    print(f"MLX memory: active {format_bytes(snap.mlx_active)}, peak {format_bytes(snap.mlx_peak)}, "
-          f"cache {format_bytes(snap.mlx_cache)}")
-    print(f"log file: {log_path()}")
-    return 0
-
-
-def _methods() -> int:
-    for line in describe_methods():
-        print(line)
-    return 0
-
-
-def _app(args: argparse.Namespace) -> int:
-    from app.main import run_app  # Qt is loaded only for the desktop app, never for the terminal commands
-
-    return run_app(model=args.model)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
+    harness = _bench_harness()
+    parser = _build_parser(harness)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     setup_logging()
     try:
-        if args.command == "chat":
-            return _chat(args)
-        if args.command == "models":
-            return _models()
-        if args.command == "info":
-            return _info()
-        if args.command == "methods":
-            return _methods()
-        if args.command == "app":
-            return _app(args)
-        if args.command == "bench":
-            harness = _bench_harness()
-            if harness is None:
-                print(
-                    "error: `velox bench` runs from a Velox source checkout: the benchmark harness "
-                    "(benchmarks/harness) is not part of the installed app.",
-                    file=sys.stderr,
-                )
-                return EXIT_ERROR
-            return harness.run(args)
-    except VeloxError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        from app.commands import run_command  # loads the engine: only once a command runs (see above)
+
+        return run_command(args, harness)
     except Exception as error:  # noqa: BLE001 - the one place that turns any bug into a line + a log entry
         logging.getLogger("app").exception("velox %s failed", args.command)
         print(f"error: {unexpected_error_line(error)}", file=sys.stderr)
         return EXIT_ERROR
-    parser.print_help()
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

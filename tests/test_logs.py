@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from app import cli
+from app import cli, commands
 from app.logs import log_path, setup_logging, unexpected_error_line
 
 
@@ -50,7 +50,7 @@ def test_cli_turns_a_bug_into_one_line_and_a_logged_traceback(log_dir, monkeypat
     def broken_listing() -> int:
         raise KeyError("catalogue index")
 
-    monkeypatch.setattr(cli, "_models", broken_listing)
+    monkeypatch.setattr(commands, "_models", broken_listing)
     assert cli.main(["models"]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: Unexpected error (KeyError")

@@ -1,0 +1,194 @@
+"""The `velox` commands (parsed by `app.cli`): chat in the terminal, list models, show machine facts.
+
+Errors are one clear line on stderr and a non-zero exit code, never a traceback. MLX is reached only
+through `engine` (whose import sets up the optional Linux CPU fast path first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Any
+
+import engine
+from app.logs import log_path
+from engine.chat.documents import load_document
+from engine.chat.session import (
+    ChatSession,
+    GenerationSettings,
+    GenerationStats,
+    Notice,
+    PrefillProgress,
+    TextChunk,
+)
+from engine.errors import VeloxError
+from engine.kvcache import KVCacheConfig, describe_methods
+from engine.models.catalog import list_models, load_model, resolve_model
+from engine.planning.memory import snapshot
+from engine.planning.recommend import LEVELS
+from engine.planning.units import format_bytes
+from engine.runtime.status import runtime_status
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def _progress(message: str, fraction: float) -> None:
+    print(f"\r[{fraction * 100:5.1f}%] {message:<60}", end="", file=sys.stderr, flush=True)
+    if fraction >= 1.0:
+        print(file=sys.stderr)
+
+
+def _cache_config(args: argparse.Namespace) -> Any:
+    if args.kv is None and args.kv_bits is None:
+        return None
+    # Without --kv, the method is the one the app's compression level of that many bits uses (the level
+    # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
+    levels = {level.key: level for level in LEVELS}
+    if args.kv is None and str(args.kv_bits) in levels:
+        return levels[str(args.kv_bits)].to_config()
+    method = args.kv or levels["4"].method
+    if args.kv_bits is None:
+        return KVCacheConfig(method=method)
+    return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)
+
+
+def _print_stats(stats: Any) -> None:
+    print(
+        f"[{stats.prompt_tokens} prompt tokens ({stats.reused_tokens} reused), "
+        f"prefill {stats.prefill_tokens_per_second:.1f} tok/s, decode {stats.decode_tokens_per_second:.1f} tok/s, "
+        f"TTFT {stats.time_to_first_token:.2f} s, peak {format_bytes(stats.peak_memory_bytes)}, "
+        f"KV cache {format_bytes(stats.kv_cache_bytes)}]",
+        file=sys.stderr,
+    )
+
+
+def _run_turn(session: Any, question: str, show_stats: bool) -> None:
+    try:
+        for event in session.send(question):
+            if isinstance(event, TextChunk):
+                print(event.text, end="", flush=True)
+            elif isinstance(event, PrefillProgress) and event.total > 2048:
+                print(f"\r[reading {event.done}/{event.total} tokens]", end="", file=sys.stderr, flush=True)
+            elif isinstance(event, Notice):
+                print(f"[{event.text}]", file=sys.stderr)
+            elif isinstance(event, GenerationStats):
+                print(flush=True)
+                if event.finish_reason == "cancelled":
+                    print("[stopped]", file=sys.stderr)
+                if show_stats:
+                    _print_stats(event)
+    except KeyboardInterrupt:
+        # Ctrl-C while the generator was running: the session's own cleanup already ran in `finally`.
+        session.cancel()
+        print("\n[stopped]", file=sys.stderr)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    settings = GenerationSettings(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        overflow_policy=None if args.overflow == "error" else args.overflow,
+    )
+    documents = [load_document(path) for path in args.doc]
+    cache_config = _cache_config(args)
+    path = resolve_model(args.model, progress=_progress)
+    model, tokenizer, info = load_model(path)
+    session = ChatSession(model, tokenizer, context_length=info.max_context, system_prompt=args.system,
+                          settings=settings)
+    if cache_config is not None:
+        session.set_compression(cache_config)
+    for document in documents:
+        session.attach_document(document)
+    if args.prompt is not None:
+        _run_turn(session, args.prompt, args.stats)
+        return 0
+    print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line or line in {"/quit", "/exit"}:
+            return 0
+        if line == "/new":
+            session.new_chat()
+            continue
+        if line.startswith("/doc "):
+            try:
+                session.attach_document(load_document(line[5:].strip()))
+                print("[attached]", file=sys.stderr)
+            except VeloxError as error:
+                print(f"error: {error}", file=sys.stderr)
+            continue
+        _run_turn(session, line, args.stats)
+
+
+def _models() -> int:
+    for info in list_models():
+        status = "ready" if info.ready else "not ready"
+        print(f"{info.name:<40} {info.source:<9} {format_bytes(info.bytes_on_disk):>9} "
+              f"ctx {info.max_context:>6}  {status}{'  — ' + info.note if info.note else ''}")
+        if info.path:
+            print(f"    {info.path}")
+    return 0
+
+
+def _info() -> int:
+    snap = snapshot()
+    print(f"velox {engine.__version__} on {platform.system()} {platform.machine()}, Python {platform.python_version()}")
+    for key, value in runtime_status().items():
+        print(f"{key}: {value}")
+    print(f"memory: {format_bytes(snap.system_available)} available of {format_bytes(snap.system_total)} "
+          f"({snap.pressure}); this process {format_bytes(snap.process_rss)}")
+    print(f"MLX memory: active {format_bytes(snap.mlx_active)}, peak {format_bytes(snap.mlx_peak)}, "
+          f"cache {format_bytes(snap.mlx_cache)}")
+    print(f"log file: {log_path()}")
+    return 0
+
+
+def _methods() -> int:
+    for line in describe_methods():
+        print(line)
+    return 0
+
+
+def _app(args: argparse.Namespace) -> int:
+    from app.main import run_app  # Qt is loaded only for the desktop app, never for the terminal commands
+
+    return run_app(model=args.model)
+
+
+def run_command(args: argparse.Namespace, harness: Any = None) -> int:
+    """Run the command `app.cli` parsed; the exit code. `harness` is the benchmark harness's CLI module
+    when this runs from a source checkout (`velox bench`), else None."""
+    try:
+        if args.command == "chat":
+            return _chat(args)
+        if args.command == "models":
+            return _models()
+        if args.command == "info":
+            return _info()
+        if args.command == "methods":
+            return _methods()
+        if args.command == "app":
+            return _app(args)
+        if args.command == "bench":
+            if harness is None:
+                print(
+                    "error: `velox bench` runs from a Velox source checkout: the benchmark harness "
+                    "(benchmarks/harness) is not part of the installed app.",
+                    file=sys.stderr,
+                )
+                return EXIT_ERROR
+            return harness.run(args)
+    except VeloxError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"error: unknown command {args.command!r}", file=sys.stderr)
+    return EXIT_ERROR
