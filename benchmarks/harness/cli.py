@@ -31,6 +31,7 @@ from benchmarks.harness.common import (
     windows,
     write_result,
 )
+from benchmarks.harness.levels import level_specs
 from engine.errors import VeloxError
 
 
@@ -100,21 +101,6 @@ class Plan:
     @property
     def snapshot_tokens(self) -> int:
         return max(max(self.memory_checkpoints), max(self.contexts), max(self.switch_contexts))
-
-
-def level_specs() -> list[str]:
-    """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider)."""
-    from engine.planning.recommend import LEVELS
-
-    out = []
-    for level in LEVELS:
-        if level.method in ("fp16", "fp32"):
-            continue
-        text = f"{level.method}:{level.key_bits}/{level.value_bits}:{level.group_size}"
-        if level.residual_window:
-            text += f"+w{level.residual_window}"
-        out.append(text)
-    return out
 
 
 # ----- shared set-up ----------------------------------------------------------------------------------------

@@ -25,6 +25,21 @@ REFERENCE_HEAD_DIM = 128
 _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
 
+def level_specs() -> list[str]:
+    """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider)."""
+    from engine.planning.recommend import LEVELS
+
+    out = []
+    for level in LEVELS:
+        if level.method in ("fp16", "fp32"):
+            continue
+        text = f"{level.method}:{level.key_bits}/{level.value_bits}:{level.group_size}"
+        if level.residual_window:
+            text += f"+w{level.residual_window}"
+        out.append(text)
+    return out
+
+
 def budget_bits(spec_text: str) -> float:
     """Effective bits per value of a Velox spec at head_dim 128, long-context limit."""
     from benchmarks.harness.specs import parse_spec
