@@ -15,6 +15,7 @@ builds its parser before the CPU fast path is prepared.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 
 from benchmarks.harness import specs as spec_lists
 from benchmarks.harness.common import (
+    DATA_DIR_ENV,
+    PROSE_FILES,
     ROOT,
     default_out_dir,
     in_checkout,
@@ -160,7 +163,8 @@ class Context:
         if self._streams is None:
             from benchmarks.harness.common import prose_token_streams
 
-            self._streams = prose_token_streams(self.tokenizer, prose_paths(self.args.text or ()))
+            paths = prose_paths(self.args.text or ())  # before loading anything: a missing file fails at once
+            self._streams = prose_token_streams(self.tokenizer, paths)
         return self._streams
 
     def first_stream(self) -> list[int]:
@@ -173,7 +177,7 @@ class Context:
         if self._peer is None:
             from benchmarks.harness.peers import ensure_veloxquant_venv
 
-            self._peer = ensure_veloxquant_venv()
+            self._peer = ensure_veloxquant_venv(self.args.peer_venv)
             log(f"peers: {self._peer[1]}")
         return self._peer
 
@@ -457,13 +461,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small version (velox bench all --quick: < 20 min)")
     parser.add_argument("--out", default=None, help="folder for the JSON results (default: benchmarks/results)")
     parser.add_argument("--model", default=None, help="mlx-lm model folder (default: the embedded default model)")
-    parser.add_argument("--text", action="append", default=[], help="prose file (default: ../shared/data/*.txt)")
+    parser.add_argument("--text", action="append", default=[],
+                        help=f"prose file, repeatable (default: {' and '.join(PROSE_FILES)} in the folder "
+                             f"${DATA_DIR_ENV} names, else, in a developer checkout, in ../shared/data)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="worker processes for the quality runs (timings always run one at a time)")
     parser.add_argument("--specs", default=None, help="comma-separated cache specs instead of the defaults")
     parser.add_argument("--parts", default=None, help=f"quality parts to run ({','.join(QUALITY_PARTS)})")
     parser.add_argument("--rounds", type=int, default=None, help="speed: rounds per config (default 3, quick 1)")
     parser.add_argument("--no-peers", action="store_true", help="skip the veloxquant-mlx peer (no venv is made)")
+    parser.add_argument("--peer-venv", default=None,
+                        help="folder of the veloxquant-mlx peer's venv, made on first use (default: under the user "
+                             "cache dir)")
     parser.add_argument("--add", action="store_true",
                         help="quality: add the --specs rows to an earlier perplexity run on the same windows")
     parser.add_argument("--markdown", default=None, help="report: where to write BENCHMARKS.md")
@@ -492,4 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.runtime import prepare_runtime
 
     prepare_runtime()
-    return run(args)
+    try:
+        return run(args)
+    except VeloxError as error:  # bad input (no prose, an unknown spec, ...): one line, as `velox bench` prints it
+        print(f"error: {error}", file=sys.stderr)
+        return 1

@@ -14,11 +14,16 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import ConfigError
+
 SCHEMA = "velox-bench/1"
 # The repository root when running from a checkout (benchmarks/harness/common.py -> parents[2]).
 ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = ROOT.parent / "shared" / "data"
 PROSE_FILES = ("botchan.txt", "areopagitica.txt")
+# The folder of PROSE_FILES: $VELOX_BENCH_DATA, else (only in a developer checkout, which sits beside the
+# project's shared folder) CHECKOUT_DATA_DIR. `--text FILE` overrides both.
+DATA_DIR_ENV = "VELOX_BENCH_DATA"
+CHECKOUT_DATA_DIR = ROOT.parent / "shared" / "data"
 # Paired differences are averaged in blocks of this many consecutive scored tokens before the standard
 # error is taken: neighbouring tokens' errors are correlated, so a per-token SE would be too small.
 SE_BLOCK_TOKENS = 64
@@ -70,24 +75,35 @@ def machine_info() -> dict[str, Any]:
         info["memory_total_bytes"] = int(psutil.virtual_memory().total)
     except ImportError:
         pass
-    info["git_commit"] = git_commit()
+    info.update(git_state())
     return info
 
 
-def git_commit() -> str:
-    if not (ROOT / ".git").exists():
-        return ""
+def git_state() -> dict[str, str]:
+    """{"git_commit": short hash (+uncommitted)} of the checkout the harness runs from; when there is none,
+    or git cannot say, an empty commit and `git_commit_missing` saying why (the run goes on)."""
+    if not in_checkout():
+        return {"git_commit": "", "git_commit_missing": f"not run from a source checkout ({ROOT})"}
     try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return head + ("+uncommitted" if dirty else "")
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+    except FileNotFoundError:
+        return {"git_commit": "", "git_commit_missing": "git is not installed"}
+    except (OSError, subprocess.SubprocessError) as error:
+        return {"git_commit": "", "git_commit_missing": f"git failed: {_last_line(error)}"}
+    return {"git_commit": head + ("+uncommitted" if dirty else "")}
+
+
+def _git(*args: str) -> str:
+    """git's output in ROOT (CalledProcessError, with git's message, when it fails: e.g. not a repository)."""
+    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def _last_line(error: BaseException) -> str:
+    stderr = getattr(error, "stderr", None)
+    text = stderr.strip() if isinstance(stderr, str) and stderr.strip() else str(error)
+    return text.splitlines()[-1]
 
 
 def now() -> str:
@@ -141,19 +157,35 @@ def log(message: str) -> None:
 
 
 def prose_paths(text_paths: Sequence[str | Path] = ()) -> list[Path]:
-    """The prose to benchmark on: the paths given, else ../shared/data/{botchan,areopagitica}.txt."""
+    """The prose to benchmark on: the files given (--text), else PROSE_FILES in `prose_dir()`.
+    ConfigError, in one line that says what to pass, when there is none."""
     if text_paths:
         paths = [Path(p).expanduser() for p in text_paths]
-    else:
-        paths = [SHARED_DATA / name for name in PROSE_FILES if (SHARED_DATA / name).is_file()]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing or not paths:
-        from engine.errors import ConfigError
-
-        raise ConfigError(
-            f"No benchmark prose found ({', '.join(missing) or SHARED_DATA}); pass a text file with --text."
-        )
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise ConfigError(f"Benchmark prose not found: {', '.join(missing)}.")
+        return paths
+    folder, origin = prose_dir()
+    if folder is None:
+        raise ConfigError(f"No benchmark prose: pass --text FILE, or set {DATA_DIR_ENV} to a folder holding "
+                          f"{' and '.join(PROSE_FILES)}.")
+    paths = [folder / name for name in PROSE_FILES if (folder / name).is_file()]
+    if not paths:
+        raise ConfigError(f"No benchmark prose in {folder} ({origin}): it has neither {' nor '.join(PROSE_FILES)}; "
+                          f"pass --text FILE, or set {DATA_DIR_ENV} to the folder that holds them.")
+    log(f"prose: {', '.join(p.name for p in paths)} from {folder} ({origin})")
     return paths
+
+
+def prose_dir() -> tuple[Path | None, str]:
+    """The folder of the default prose and where that choice comes from; (None, '') outside a checkout
+    without VELOX_BENCH_DATA."""
+    configured = os.environ.get(DATA_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser(), f"${DATA_DIR_ENV}"
+    if in_checkout():
+        return CHECKOUT_DATA_DIR, "a developer checkout's default, ../shared/data"
+    return None, ""
 
 
 def prose_token_streams(tokenizer: Any, paths: Sequence[Path]) -> dict[str, list[int]]:

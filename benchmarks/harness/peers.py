@@ -1,5 +1,5 @@
-"""The PyPI package `veloxquant-mlx` as a peer: installed into a throwaway venv that this module creates
-(never a Velox dependency), then driven through its own `KVCacheBuilder` by the same worker tasks that
+"""The PyPI package `veloxquant-mlx` as a peer: installed into a venv that this module creates (never a Velox
+dependency; by default under the user cache dir, `velox bench --peer-venv DIR` to choose), then driven through its own `KVCacheBuilder` by the same worker tasks that
 measure Velox, on the same model, text and machine.
 
 The venv gets the same mlx, mlx-lm and OpenBLAS versions as Velox's environment (so differences are the
@@ -13,11 +13,19 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import platformdirs
+
 from benchmarks.harness.common import log
+from engine.paths import APP_NAME
 
 VELOXQUANT_PACKAGE = "veloxquant-mlx"
 VELOXQUANT_VERSION = "0.94.15"
-DEFAULT_VENV = Path("/tmp/veloxquant-venv")
+
+
+def default_venv() -> Path:
+    """Where the peer's venv lives unless told otherwise: the user cache dir (rebuildable at any time)."""
+    cache = Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+    return cache / "bench" / f"{VELOXQUANT_PACKAGE}-{VELOXQUANT_VERSION}-venv"
 
 
 def _pinned(name: str) -> str:
@@ -43,8 +51,10 @@ def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
 
 
-def ensure_veloxquant_venv(venv: Path = DEFAULT_VENV) -> tuple[str | None, str]:
-    """(python of a venv with veloxquant-mlx, note) or (None, the reason it could not be made)."""
+def ensure_veloxquant_venv(venv: Path | None = None) -> tuple[str | None, str]:
+    """(python of a venv with veloxquant-mlx, note) or (None, the reason it could not be made); `venv`
+    defaults to `default_venv()`."""
+    venv = Path(venv).expanduser() if venv is not None else default_venv()
     python = venv_python(venv)
     wanted = requirements()
     if python.is_file():
@@ -57,6 +67,7 @@ def ensure_veloxquant_venv(venv: Path = DEFAULT_VENV) -> tuple[str | None, str]:
     log(f"peers: creating {venv} with {' '.join(wanted)}")
     try:
         if not python.is_file():
+            venv.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, text=True)
         done = subprocess.run(
             [str(python), "-m", "pip", "install", "-q", *wanted], capture_output=True, text=True, timeout=1800,

@@ -48,7 +48,7 @@ from benchmarks.harness.report.markdown import (
 from benchmarks.harness.report.sections import compare_loss
 
 __all__ = [
-    "FIGURE_NAMES", "README_END", "README_START", "Results", "Source", "app_levels", "best_within", "compare_loss",
+    "FIGURE_NAMES", "NO_MATPLOTLIB", "README_END", "README_START", "Results", "Source", "app_levels", "best_within", "compare_loss",
     "fmt_bits", "fmt_delta", "gpu_rows_at", "large_shape_bits", "level_matches", "load_results", "mlx_budgets",
     "quality_rows", "readme_block", "readme_section", "row_by_label", "row_by_spec", "update_readme", "write_report",
 ]
