@@ -3,7 +3,8 @@ document, peak memory. Each measurement that depends on process state runs in it
 
     python benchmarks/engine_core.py [--prose PATH] [--out benchmarks/results/engine_core.json]
 
-Prints a table and writes JSON. Uses ../shared/data/botchan.txt when present, else --prose.
+Prints a table and writes JSON. The prose is --prose, else botchan.txt in $VELOX_BENCH_DATA, else (a developer
+checkout's default) in ../shared/data.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROSE = ROOT.parent / "shared" / "data" / "botchan.txt"
+# The same folder as `velox bench` reads its prose from (benchmarks/harness/common.py).
+DEFAULT_PROSE = Path(os.environ.get("VELOX_BENCH_DATA") or ROOT.parent / "shared" / "data") / "botchan.txt"
 
 FIRST_RUN = """
 import time, json
@@ -73,13 +75,13 @@ def _run(code: str, args: list[str], env: dict[str, str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prose", type=Path, default=DEFAULT_PROSE)
+    parser.add_argument("--prose", type=Path, default=DEFAULT_PROSE, help=f"prose file (default: {DEFAULT_PROSE})")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine_core.json")
     args = parser.parse_args()
     if not args.prose.is_file():
-        raise SystemExit(f"No prose file at {args.prose}; pass --prose PATH.")
+        raise SystemExit(f"No prose file at {args.prose}; pass --prose PATH or set VELOX_BENCH_DATA to its folder.")
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="velox-bench-") as fresh:
         first = _run(FIRST_RUN, [], dict(env, VELOX_DATA_DIR=fresh))
