@@ -3,7 +3,8 @@
     python benchmarks/bench.py quality|memory|speed|all|report [--quick] [--out DIR] [...]
 
 Same arguments as `velox bench` (see `python benchmarks/bench.py --help`). Results: benchmarks/results/*.json;
-report: BENCHMARKS.md and docs/figures/*.png.
+report: BENCHMARKS.md and docs/figures/*.png. The prose is `--text FILE`, else botchan.txt and areopagitica.txt
+in the folder $VELOX_BENCH_DATA names, else (a developer checkout's default) in ../shared/data.
 """
 
 from __future__ import annotations
