@@ -1,6 +1,6 @@
 """The PyPI package `veloxquant-mlx` as a peer: installed into a venv that this module creates (never a Velox
-dependency; by default under the user cache dir, `velox bench --peer-venv DIR` to choose), then driven through its own `KVCacheBuilder` by the same worker tasks that
-measure Velox, on the same model, text and machine.
+dependency; under the user cache dir unless `velox bench --peer-venv DIR` says where), then driven through its
+own `KVCacheBuilder` by the same worker tasks that measure Velox, on the same model, text and machine.
 
 The venv gets the same mlx, mlx-lm and OpenBLAS versions as Velox's environment (so differences are the
 caches', not the runtime's) plus the few packages `engine` needs to load the model (psutil, platformdirs).
