@@ -32,6 +32,8 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels.backend import pad_table
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
@@ -145,6 +147,14 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         super()._reset_storage()
         self._rotation = None
         self._codebooks: dict[str, Codebook] = {}
+        self._kernel_tables: dict[str, mx.array] = {}
+
+    def _kernel_table(self, name: str) -> mx.array:
+        """Centroids of codebook `name` as the decode kernel reads them (float32, padded), built once."""
+        table = self._kernel_tables.get(name)
+        if table is None:
+            table = self._kernel_tables[name] = pad_table(self._codebooks[name][0])
+        return table
 
     def _setup(
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
@@ -230,6 +240,16 @@ class VeloxTurboQuantKVCache(RotatedCodebookKVCache):
         bits = self._role_bits(role)
         _, boundaries = self._codebooks[f"{role}0"]
         return {f"{role}_codes": pack_bits(encode_scalar(unit, boundaries), bits)}
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("codebook", self.config.key_bits),
+            [store["key_codes"], store["key_norms"], self._kernel_table("key0")],
+            Codec("codebook", self.config.value_bits),
+            [store["value_codes"], store["value_norms"], self._kernel_table("value0")],
+        )
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         bits = self._role_bits(role)
