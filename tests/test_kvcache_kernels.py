@@ -9,10 +9,12 @@ syntax error in a kernel shows up on a machine without a GPU.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,6 +26,7 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source
+from engine.kvcache.kernels.encode import encode_source
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -32,7 +35,7 @@ CODEC_PAIRS = (
     *[(Codec("codebook", b), Codec("codebook", b)) for b in (1, 2, 3, 4)],
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
 )
-ALL_SOURCES = (MERGE_SOURCE, *(attend_source(k, v) for k, v in CODEC_PAIRS))
+ALL_SOURCES = (MERGE_SOURCE, encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS))
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
 PARITY_SPECS = (
@@ -152,6 +155,12 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         units.append(_cuda_unit(source, _attend_dtypes(key, value),
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                 {"D": 128, "R": 4, "NT": 128, "G": 64}))
+    for stages in (1, 2):
+        names = encode_source(stages).input_names + encode_source(stages).output_names
+        dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,
+                                                    "rscales": mx.bfloat16, "codes": mx.uint32, "rcodes": mx.uint32}
+        units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
+                                {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "TO": mx.bfloat16}))
     for index, unit in enumerate(units):
@@ -216,19 +225,24 @@ needs_gpu = pytest.mark.skipif(available_backend() is None,
                                reason="needs MLX's CUDA or Metal build on a GPU default device (kernel backend)")
 
 
+def _reference_of(cache):
+    """The same cache contents (shared arrays) with kernels off: the pure-MLX reference path."""
+    reference = copy.copy(cache)
+    reference.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
+    return reference
+
+
 @needs_gpu
 @pytest.mark.parametrize("spec", PARITY_SPECS, ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("tokens", (70, 1000, 4097))
 def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
-    """bf16 cache and queries; the reference attends over the same contents on the CPU stream in float32
-    (MLX's CUDA quantized_matmul has no kernel for most of these untidy shapes, which is the point)."""
+    """bf16 cache and queries; the reference attends over the very same compressed arrays on the CPU
+    stream in float32 (MLX's CUDA quantized_matmul has no kernel for most of these untidy shapes)."""
     method, bits, group, window, sinks = spec
     for head_dim, n_kv, repeats in ((128, 2, 4), (64, 3, 2)):
         fused = _filled(method, bits, group, window, sinks, tokens, "require", head_dim, n_kv, mx.bfloat16,
                         seed=tokens)
-        with mx.stream(mx.cpu):
-            reference = _filled(method, bits, group, window, sinks, tokens, "off", head_dim, n_kv,
-                                mx.bfloat16, seed=tokens)
+        reference = _reference_of(fused)
         rng = np.random.default_rng(tokens + 7)
         queries = mx.array(rng.standard_normal((1, n_kv * repeats, 1, head_dim), dtype=np.float32))
         queries = queries.astype(mx.bfloat16)
@@ -248,17 +262,46 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
 
 @needs_gpu
 def test_decode_kernel_short_caches_and_sinks_only() -> None:
-    """1 token, sinks only, window only, and a cache whose compressed part is empty after a trim."""
+    """1 token, sinks only, window only, few compressed tokens."""
     for method in ("affine", "kivi", "turboquant"):
         for tokens, window, sinks in ((1, 0, 0), (3, 0, 4), (5, 16, 0), (300, 0, 2)):
             fused = _filled(method, 4, 64, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)
-            with mx.stream(mx.cpu):
-                reference = _filled(method, 4, 64, window, sinks, tokens, "off", 128, 2, mx.bfloat16,
-                                    seed=tokens)
+            reference = _reference_of(fused)
             queries = mx.array(np.random.default_rng(1).standard_normal((1, 8, 1, 128), dtype=np.float32))
             out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
             with mx.stream(mx.cpu):
-                ref = reference.attention(queries, None, None, scale=128**-0.5, mask=None)
-            # One or a few tokens: the output is a value vector itself (|x| up to ~4), so allow one bf16 ulp.
+                ref = reference.attention(queries.astype(mx.bfloat16).astype(mx.float32), None, None,
+                                          scale=128**-0.5, mask=None)
+                mx.eval(ref)
+            # One or a few tokens: the output is about a value vector itself (|x| up to ~4): one bf16 ulp.
             error = float(mx.max(mx.abs(out.astype(mx.float32) - ref) / mx.maximum(mx.abs(ref), 1.0)))
             assert error <= 8e-3, (method, tokens, window, sinks, error)
+
+
+@needs_gpu
+@pytest.mark.parametrize("method,bits", [("turboquant", 4), ("turboquant", 3), ("turboquant", 1), ("rvq", 4),
+                                         ("rvq", 3), ("rvq", 2)])
+def test_codebook_encode_kernel_matches_reference(method: str, bits: int) -> None:
+    """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
+    value sits within float rounding of a boundary: at most 1 in 10,000)."""
+    config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
+    cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    rng = np.random.default_rng(bits)
+    keys = mx.array(rng.standard_normal((1, 2, 777, 128), dtype=np.float32)).astype(mx.bfloat16)
+    cache._setup_from(keys, keys)
+    rotated = cache._keys_in(keys).astype(mx.bfloat16)
+    fused = cache._encode(rotated, rotated)
+    with mx.stream(mx.cpu):
+        reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(rotated, "value")}
+        mx.eval(reference)
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:
+            mismatched = float(mx.mean((got != ref).astype(mx.float32)))
+            assert mismatched <= 1e-3, (name, mismatched)  # per packed word: <= ~1e-4 per code
+        else:
+            error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
+                                 / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))
+            assert error <= 1e-2, (name, error)

@@ -135,57 +135,71 @@ _ATTEND_BODY = """
   const int t_begin = GROUP_X * per_split;
   const int t_end = (t_begin + per_split < n_total) ? t_begin + per_split : n_total;
 
+  // The R query rows of this kv head, scaled, in shared memory (read as broadcasts; keeping them in
+  // registers cost 32 more registers a thread and halved the threadgroups a multiprocessor holds).
+  SHARED float sh_q[R * D];
   const float scale = qscale[0];
-  float qv[R][8];
+  for (int i = TID; i < R * D; i += NT) sh_q[i] = scale * (float)qry[(long)bh * R * D + i];
   float m_run[R];
   float l_run[R];
   float o_acc[R][8];
   for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < 8; ++i) {
-      qv[r][i] = scale * (float)qry[((long)bh * R + r) * D + lane * 8 + i];
-      o_acc[r][i] = 0.0f;
-    }
+    for (int i = 0; i < 8; ++i) o_acc[r][i] = 0.0f;
     m_run[r] = -1e30f;   // finite: exp(m_run - m_new) must be 0, not NaN, on the first token
     l_run[r] = 0.0f;
   }
+  BARRIER();
   const long sink_base = (long)bh * sink_k_shape[2] * D + lane * 8;
   const long win_base = (long)bh * win_k_shape[2] * D + lane * 8;
 
+  // Each subgroup takes UNROLL tokens per iteration and issues all their loads before any arithmetic,
+  // so more bytes are in flight per thread (decode attention is bound by memory latency x parallelism).
   // Every thread runs the same number of iterations (t_begin/t_end are per threadgroup), so the lane
   // shuffles below are reached by whole warps / simdgroups.
-  for (int base = t_begin; base < t_end; base += NSG) {
-    const int t = base + sg;
-    const bool valid = t < t_end;
-    float kx[8];
-    float vx[8];
-    float kmul = 1.0f;
-    float vmul = 1.0f;
-    if (!valid) {
-      for (int i = 0; i < 8; ++i) { kx[i] = 0.0f; vx[i] = 0.0f; }
-    } else if (t < n_sink) {
-      const long off = sink_base + (long)t * D;
-      for (int i = 0; i < 8; ++i) { kx[i] = (float)sink_k[off + i]; vx[i] = (float)sink_v[off + i]; }
-    } else if (t < n_sink + n_comp) {
-      const int c = t - n_sink;
-      LOAD_KEY(c, kx, kmul);
-      LOAD_VALUE(c, vx, vmul);
-    } else {
-      const long off = win_base + (long)(t - n_sink - n_comp) * D;
-      for (int i = 0; i < 8; ++i) { kx[i] = (float)win_k[off + i]; vx[i] = (float)win_v[off + i]; }
+  constexpr int UNROLL = 2;
+  for (int base = t_begin; base < t_end; base += UNROLL * NSG) {
+    float kx[UNROLL][8];
+    float vx[UNROLL][8];
+    float kmul[UNROLL];
+    float vmul[UNROLL];
+    bool valid[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = base + u * NSG + sg;
+      valid[u] = t < t_end;
+      kmul[u] = 1.0f;
+      vmul[u] = 1.0f;
+      if (!valid[u]) {
+        for (int i = 0; i < 8; ++i) { kx[u][i] = 0.0f; vx[u][i] = 0.0f; }
+      } else if (t < n_sink) {
+        const long off = sink_base + (long)t * D;
+        for (int i = 0; i < 8; ++i) { kx[u][i] = (float)sink_k[off + i]; vx[u][i] = (float)sink_v[off + i]; }
+      } else if (t < n_sink + n_comp) {
+        const int c = t - n_sink;
+        LOAD_KEY(c, kx[u], kmul[u]);
+        LOAD_VALUE(c, vx[u], vmul[u]);
+      } else {
+        const long off = win_base + (long)(t - n_sink - n_comp) * D;
+        for (int i = 0; i < 8; ++i) { kx[u][i] = (float)win_k[off + i]; vx[u][i] = (float)win_v[off + i]; }
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      float part = 0.0f;
-      for (int i = 0; i < 8; ++i) part += qv[r][i] * kx[i];
-      for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
-      if (valid) {
-        const float s = part * kmul;
-        const float m_new = FMAX(m_run[r], s);
-        const float corr = EXP(m_run[r] - m_new);
-        const float p = EXP(s - m_new);
-        l_run[r] = l_run[r] * corr + p;
-        const float pv = p * vmul;
-        for (int i = 0; i < 8; ++i) o_acc[r][i] = o_acc[r][i] * corr + pv * vx[i];
-        m_run[r] = m_new;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float part = 0.0f;
+        for (int i = 0; i < 8; ++i) part += sh_q[r * D + lane * 8 + i] * kx[u][i];
+        for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
+        if (valid[u]) {
+          const float s = part * kmul[u];
+          const float m_new = FMAX(m_run[r], s);
+          const float corr = EXP(m_run[r] - m_new);
+          const float p = EXP(s - m_new);
+          l_run[r] = l_run[r] * corr + p;
+          const float pv = p * vmul[u];
+          for (int i = 0; i < 8; ++i) o_acc[r][i] = o_acc[r][i] * corr + pv * vx[u][i];
+          m_run[r] = m_new;
+        }
       }
     }
   }

@@ -32,8 +32,9 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
-from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels import DEFAULT_KERNEL_MODE, Codec, available_backend
 from engine.kvcache.kernels.backend import pad_table
+from engine.kvcache.kernels.encode import codebook_encode
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
@@ -178,7 +179,23 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         return {f"{role}_norms": norms.astype(self._dense_dtype), **self._encode_unit(unit, role)}
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        # The fused kernel wherever one runs ("auto" and "require"; the "require" error, if any, comes from
+        # the decode step: encoding is the same function either way).
+        mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
+        backend = available_backend() if mode != "off" else None
+        if backend is not None and keys.ndim == 4:
+            return {**self._kernel_encode(keys, "key", backend), **self._kernel_encode(values, "value", backend)}
         return {**self._encode_role(keys, "key"), **self._encode_role(values, "value")}
+
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
+        """`_encode_role` in one launch (kernels/encode.py); the same entries in the same order."""
+        stages = [
+            (stage_bits, *self._codebooks[f"{role}{stage}"])
+            for stage, stage_bits in enumerate(self.stage_bits(self._role_bits(role)))
+        ]
+        parts = codebook_encode(vectors, stages, self._dense_dtype, backend)
+        names = [f"{role}_norms", f"{role}_codes", f"{role}_residual_codes", f"{role}_residual_scales"]
+        return dict(zip(names, parts, strict=False))
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         dtype = self._dense_dtype
