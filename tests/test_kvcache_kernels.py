@@ -158,7 +158,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     for stages in (1, 2):
         names = encode_source(stages).input_names + encode_source(stages).output_names
         dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,
-                                                    "rscales": mx.bfloat16, "codes": mx.uint32, "rcodes": mx.uint32}
+                                                    "rscales": mx.bfloat16, "packed": mx.uint32, "residual": mx.uint32}
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
                                 {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o"), mx.float32),

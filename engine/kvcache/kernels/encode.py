@@ -46,7 +46,7 @@ _ENCODE_BODY = """
       for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
       acc |= ((U64)code) << nbits;
       nbits += B1;
-      if (nbits >= 32) { codes[row * W1 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
+      if (nbits >= 32) { packed[row * W1 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
       if (STAGES == 2) { const float r = u - cen1[code]; r2 += r * r; }
     }
 #if STAGES == 2
@@ -71,7 +71,7 @@ _ENCODE_BODY = """
       sq += c2 * c2;
       acc |= ((U64)code2) << nbits;
       nbits += B2;
-      if (nbits >= 32) { rcodes[row * W2 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
+      if (nbits >= 32) { residual[row * W2 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
     }
     rscales[row] = static_cast<TN>(dot / FMAX(sq, 1e-30f));
 #endif
@@ -85,7 +85,7 @@ def encode_source(stages: int) -> KernelSource:
     if stages not in (1, 2):
         raise ValueError(f"The codebook encode kernel has one or two stages, not {stages}.")
     inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ())
-    outputs = ("norms", "codes") + (("rcodes", "rscales") if stages == 2 else ())
+    outputs = ("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
     return KernelSource(
         name=f"velox_codebook_encode{stages}",
         input_names=inputs,
