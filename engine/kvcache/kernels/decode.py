@@ -183,24 +183,31 @@ _ATTEND_BODY = """
         for (int i = 0; i < 8; ++i) { kx[u][i] = (float)win_k[off + i]; vx[u][i] = (float)win_v[off + i]; }
       }
     }
+    // Scores of the UNROLL tokens first, then one rescale of the running output per row for all of them
+    // (not one per token) and one exp per token and row.
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int r = 0; r < R; ++r) {
+      float s[UNROLL];
+      float m_new = m_run[r];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
+      for (int u = 0; u < UNROLL; ++u) {
         float part = 0.0f;
         for (int i = 0; i < 8; ++i) part += sh_q[r * D + lane * 8 + i] * kx[u][i];
         for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
-        if (valid[u]) {
-          const float s = part * kmul[u];
-          const float m_new = FMAX(m_run[r], s);
-          const float corr = EXP(m_run[r] - m_new);
-          const float p = EXP(s - m_new);
-          l_run[r] = l_run[r] * corr + p;
-          const float pv = p * vmul[u];
-          for (int i = 0; i < 8; ++i) o_acc[r][i] = o_acc[r][i] * corr + pv * vx[u][i];
-          m_run[r] = m_new;
-        }
+        s[u] = valid[u] ? part * kmul[u] : -1e30f;
+        m_new = FMAX(m_new, s[u]);
       }
+      const float corr = EXP(m_run[r] - m_new);
+      l_run[r] *= corr;
+      for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const float p = valid[u] ? EXP(s[u] - m_new) : 0.0f;
+        l_run[r] += p;
+        const float pv = p * vmul[u];
+        for (int i = 0; i < 8; ++i) o_acc[r][i] += pv * vx[u][i];
+      }
+      m_run[r] = m_new;
     }
   }
 
