@@ -614,6 +614,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
         if mode == "off":
             return None
+        if _kernels.available_backend() is None:
+            return _kernels.resolve_backend(mode)  # None, or the "require" error saying why
         reason = self._kernel_unsupported()
         if reason is _NOTHING_COMPRESSED:
             # Nothing compressed to read: the reference path is a plain 16-bit attention (also under "require").

@@ -20,7 +20,8 @@ launcher divides by the block size itself), so a launch is described once for bo
 MLX's Metal front end passes a kernel argument such as `thread_position_in_threadgroup` only when the
 *body* names it, so the Metal prelude is text at the top of the body, not part of the header. It also
 passes inputs of fewer than 8 elements in the `constant` address space, which the helpers' `GLOBAL`
-(device) pointers cannot take: callers pad small tables to at least 8 elements (see `pad_table`).
+(device) pointers cannot take: only large arrays (codes) go through helpers; small tables (centroids,
+boundaries, the scale) are indexed in the body itself, where either address space works.
 """
 
 from __future__ import annotations
@@ -140,14 +141,6 @@ def kernel(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
     if built is None:
         built = _BUILT[key] = build(source, backend)
     return built
-
-
-def pad_table(values: mx.array, minimum: int = 8) -> mx.array:
-    """A float32 table of at least `minimum` entries (so Metal passes it as a device array; see the doc)."""
-    values = values.astype(mx.float32).reshape(-1)
-    if values.shape[0] >= minimum:
-        return values
-    return mx.concatenate([values, mx.zeros((minimum - values.shape[0],), mx.float32)])
 
 
 class Ruler:

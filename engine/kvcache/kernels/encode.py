@@ -21,7 +21,7 @@ import functools
 
 import mlx.core as mx
 
-from engine.kvcache.kernels.backend import KernelSource, kernel, pad_table
+from engine.kvcache.kernels.backend import KernelSource, kernel
 
 THREADS = 64
 
@@ -115,7 +115,7 @@ def codebook_encode(
     output_shapes = [(*lead, n, 1), (*lead, n, head_dim * stages[0][0] // 32)]
     output_dtypes = [norm_dtype, mx.uint32]
     for index, (bits, centroids, boundaries) in enumerate(stages, start=1):
-        inputs += [pad_table(boundaries), pad_table(centroids)]
+        inputs += [boundaries.astype(mx.float32), centroids.astype(mx.float32)]
         template += [(f"B{index}", bits), (f"NB{index}", int(boundaries.shape[0]))]
     if len(stages) == 2:
         output_shapes += [(*lead, n, head_dim * stages[1][0] // 32), (*lead, n, 1)]

@@ -33,7 +33,6 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import DEFAULT_KERNEL_MODE, Codec, available_backend
-from engine.kvcache.kernels.backend import pad_table
 from engine.kvcache.kernels.encode import codebook_encode
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
@@ -148,14 +147,10 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         super()._reset_storage()
         self._rotation = None
         self._codebooks: dict[str, Codebook] = {}
-        self._kernel_tables: dict[str, mx.array] = {}
 
     def _kernel_table(self, name: str) -> mx.array:
-        """Centroids of codebook `name` as the decode kernel reads them (float32, padded), built once."""
-        table = self._kernel_tables.get(name)
-        if table is None:
-            table = self._kernel_tables[name] = pad_table(self._codebooks[name][0])
-        return table
+        """Centroids of codebook `name` as the kernels read them: the float32 array the cache holds."""
+        return self._codebooks[name][0]
 
     def _setup(
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
