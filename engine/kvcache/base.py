@@ -27,6 +27,7 @@ from mlx_lm.models.cache import create_attention_mask as _mlx_create_attention_m
 
 from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
 from engine.runtime.cpu import attention as cpu_attention
 from engine.runtime.masks import apply_attention_mask
@@ -43,6 +44,7 @@ _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32
 PREFILL_ATTENTION_CHOICES = ("fused", "dequantize-blocks", "auto")
 DEQUANTIZE_BLOCK_TOKENS = 4096
 DEQUANTIZE_MIN_ROWS = 16
+_NOTHING_COMPRESSED = "no compressed tokens yet"
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -280,6 +282,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             raise ConfigError(
                 f"prefill_attention must be {', '.join(PREFILL_ATTENTION_CHOICES)}, not {choice!r}."
             )
+        _kernels.check_kernel_mode(config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE))
 
     def _reset_storage(self) -> None:
         self._sink_keys: mx.array | None = None
@@ -307,6 +310,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
         """queries [B, n_kv, R, Dk] (scaled, transformed) · compressed keys -> [B, n_kv, R, n_compressed]."""
         raise NotImplementedError
+
+    def _kernel_codecs(
+        self,
+    ) -> tuple[_kernels.Codec, list[mx.array], _kernels.Codec, list[mx.array]] | None:
+        """How the decode kernel reads this method's whole store buffers: (key codec, key arrays, value
+        codec, value arrays), in the order of `kernels/decode.py`'s codec macros; None: no kernel."""
+        return None
 
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         """weights [B, n_kv, R, n_compressed] · compressed values -> [B, n_kv, R, Dv]."""
@@ -527,6 +537,11 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         batch, n_query_heads, n_queries, _ = queries.shape
         n_kv = self._n_kv_heads
         repeats = n_query_heads // n_kv
+        if n_queries == 1 and not isinstance(mask, mx.array):
+            # One new token with no mask (or mlx-lm's "causal", which masks nothing for it): the fused kernel.
+            backend = self._decode_kernel_backend()
+            if backend is not None:
+                return self._kernel_attention(queries, scale, backend)
         grouped = (self._queries_in(queries) * scale).reshape(batch, n_kv, repeats * n_queries, -1)
         compute_dtype = grouped.dtype
 
@@ -578,6 +593,57 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             output = _add(output, part @ self._window_values.astype(compute_dtype))
 
         output = output.reshape(batch, n_query_heads, n_queries, -1)
+        return self._output_out(output).astype(queries.dtype)
+
+    def _kernel_unsupported(self) -> str | None:
+        """Why this cache cannot attend with the decode kernel right now (None: it can)."""
+        if self._store is None:
+            return _NOTHING_COMPRESSED
+        if self._k_head_dim != self._v_head_dim or not _kernels.decode.head_dim_supported(self._k_head_dim):
+            return f"the decode kernel has no variant for head_dim {self._k_head_dim}/{self._v_head_dim}"
+        if not _kernels.decode.group_supported(self.config.group_size):
+            return f"the decode kernel needs a group size divisible by 8, not {self.config.group_size}"
+        codecs = self._kernel_codecs()
+        if codecs is None:
+            return f"method {self.method_name!r} has no decode kernel"
+        if not (codecs[0].supported and codecs[2].supported):
+            return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
+        return None
+
+    def _decode_kernel_backend(self) -> str | None:
+        mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
+        if mode == "off":
+            return None
+        if _kernels.available_backend() is None:
+            return _kernels.resolve_backend(mode)  # None, or the "require" error saying why
+        reason = self._kernel_unsupported()
+        if reason is _NOTHING_COMPRESSED:
+            # Nothing compressed to read: the reference path is a plain 16-bit attention (also under "require").
+            return None
+        return _kernels.resolve_backend(mode, reason)
+
+    def _kernel_attention(self, queries: mx.array, scale: float, backend: str) -> mx.array:
+        """`attention` of one new token per sequence through the fused decode kernel (see kernels/decode.py)."""
+        batch, n_query_heads, _, head_dim = queries.shape
+        n_kv = self._n_kv_heads
+        grouped = self._queries_in(queries).reshape(batch, n_kv, n_query_heads // n_kv, head_dim)
+        codecs = self._kernel_codecs()
+        assert codecs is not None
+        key_codec, key_arrays, value_codec, value_arrays = codecs
+        output = _kernels.decode_attention(
+            grouped,
+            scale,
+            (self._sink_keys, self._sink_values) if self.n_sink else None,
+            (self._window_keys, self._window_values) if self.n_window else None,
+            self._n_compressed,
+            key_codec,
+            key_arrays,
+            value_codec,
+            value_arrays,
+            group_size=self.config.group_size,
+            backend=backend,
+        )
+        output = output.reshape(batch, n_query_heads, 1, head_dim)
         return self._output_out(output).astype(queries.dtype)
 
     # ----- state and dense export ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.registry import register_method
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -103,6 +104,16 @@ class VeloxAffineKVCache(SegmentedKVCache):
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         return affine_matmul(
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
+        )
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("affine", self.config.key_bits),
+            [store["key_codes"], store["key_scales"], store["key_biases"]],
+            Codec("affine", self.config.value_bits),
+            [store["value_codes"], store["value_scales"], store["value_biases"]],
         )
 
     # Decoding uses float32 scales and biases, as quantized_matmul does with float32 activations: with

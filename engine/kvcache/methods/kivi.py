@@ -36,6 +36,7 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -115,6 +116,16 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         return affine_matmul(
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
+        )
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("kivi_keys", self.config.key_bits),
+            [store["key_codes"], store["key_scales"], store["key_biases"]],
+            Codec("affine", self.config.value_bits),
+            [store["value_codes"], store["value_scales"], store["value_biases"]],
         )
 
     # ----- store layout: keys have the token axis last --------------------------------------------------

@@ -28,6 +28,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.turboquant import NORM_BITS, Codebook, RotatedCodebookKVCache, centroid_lookup
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
@@ -78,6 +79,23 @@ class VeloxRVQKVCache(RotatedCodebookKVCache):
             f"{role}_residual_codes": pack_bits(second_codes, second_bits),
             f"{role}_residual_scales": fitted.astype(self._dense_dtype),
         }
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        codecs = []
+        for role in ("key", "value"):
+            first_bits, second_bits = self.stage_bits(self._role_bits(role))
+            arrays = [
+                store[f"{role}_codes"],
+                store[f"{role}_norms"],
+                self._kernel_table(f"{role}0"),
+                store[f"{role}_residual_codes"],
+                store[f"{role}_residual_scales"],
+                self._kernel_table(f"{role}1"),
+            ]
+            codecs += [Codec("rvq", first_bits, second_bits), arrays]
+        return codecs[0], codecs[1], codecs[2], codecs[3]
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         first_bits, second_bits = self.stage_bits(self._role_bits(role))

@@ -32,6 +32,8 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import DEFAULT_KERNEL_MODE, Codec, available_backend
+from engine.kvcache.kernels.encode import codebook_encode
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
@@ -146,6 +148,10 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         self._rotation = None
         self._codebooks: dict[str, Codebook] = {}
 
+    def _kernel_table(self, name: str) -> mx.array:
+        """Centroids of codebook `name` as the kernels read them: the float32 array the cache holds."""
+        return self._codebooks[name][0]
+
     def _setup(
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
     ) -> None:
@@ -168,7 +174,23 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         return {f"{role}_norms": norms.astype(self._dense_dtype), **self._encode_unit(unit, role)}
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        # The fused kernel wherever one runs ("auto" and "require"; the "require" error, if any, comes from
+        # the decode step: encoding is the same function either way).
+        mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
+        backend = available_backend() if mode != "off" else None
+        if backend is not None and keys.ndim == 4:
+            return {**self._kernel_encode(keys, "key", backend), **self._kernel_encode(values, "value", backend)}
         return {**self._encode_role(keys, "key"), **self._encode_role(values, "value")}
+
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
+        """`_encode_role` in one launch (kernels/encode.py); the same entries in the same order."""
+        stages = [
+            (stage_bits, *self._codebooks[f"{role}{stage}"])
+            for stage, stage_bits in enumerate(self.stage_bits(self._role_bits(role)))
+        ]
+        parts = codebook_encode(vectors, stages, self._dense_dtype, backend)
+        names = [f"{role}_norms", f"{role}_codes", f"{role}_residual_codes", f"{role}_residual_scales"]
+        return dict(zip(names, parts, strict=False))
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         dtype = self._dense_dtype
@@ -230,6 +252,16 @@ class VeloxTurboQuantKVCache(RotatedCodebookKVCache):
         bits = self._role_bits(role)
         _, boundaries = self._codebooks[f"{role}0"]
         return {f"{role}_codes": pack_bits(encode_scalar(unit, boundaries), bits)}
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("codebook", self.config.key_bits),
+            [store["key_codes"], store["key_norms"], self._kernel_table("key0")],
+            Codec("codebook", self.config.value_bits),
+            [store["value_codes"], store["value_norms"], self._kernel_table("value0")],
+        )
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         bits = self._role_bits(role)

@@ -1,0 +1,267 @@
+"""Whole-model decode speed of every KV cache on a GPU: `velox bench decode`.
+
+    python benchmarks/decode.py --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
+                                [--steps 10] [--warmup 3] [--prefill 32768]
+
+A Llama-3.1-8B-shaped model (32 layers, 32 query / 8 kv heads, head_dim 128, hidden 4096, MLP 14336,
+vocabulary 128256) built with mlx-lm's own llama class, its weights random and quantized to 4 bits in groups
+of 64 with `nn.quantize` (like an mlx-community 4-bit model); everything runs in bfloat16. For each cache
+and context N, every layer's cache is filled with N random tokens through `update_and_fetch` in 4,096-token
+chunks (N untidy on purpose: 8k+1, 32k+1, 128k+1), then the median time of one whole-model decode step,
+`model(token, cache=caches)`, is measured (each step appends its token, as decoding does).
+
+Beside each figure is the step's memory bound: (weight bytes + the bytes the caches hold) / read
+bandwidth, the bandwidth measured here with a large reduction; `bound_tok_s` is the speed a step reading
+every byte once at that bandwidth would reach. With --prefill N, a chunked prefill of an N-token prompt
+(2,048-token chunks through the model, as mlx-lm's generate does) is timed for a few caches too.
+
+Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
+`mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
+kivi:4:64, turboquant:3, affine:4:64+w128+s4) and `...@off` for a Velox method with kernels off. Rows:
+`spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, or `error` where it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_CONTEXTS = (8193, 32769, 131073)
+DEFAULT_SPECS = (
+    "fp16", "mlx-kv", "mlx-q:4",
+    "affine:4:64", "rotated:4:64", "kivi:4:64", "kivi:4:32", "kivi:3:64", "kivi:2:64",
+    "turboquant:4", "turboquant:3", "rvq:4", "rvq:3",
+)
+PREFILL_SPECS = ("fp16", "kivi:4:64", "affine:4:64", "turboquant:4")
+FILL_CHUNK = 4096
+PREFILL_CHUNK = 2048
+SHAPE = {
+    "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "mlp": 14336,
+    "vocab": 128256, "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16",
+}
+
+
+def build_model() -> nn.Module:
+    """The 8B-shaped llama with random 4-bit g64 weights (bf16 activations)."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(
+        model_type="llama", hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
+        intermediate_size=SHAPE["mlp"], num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"],
+        head_dim=SHAPE["head_dim"], rms_norm_eps=1e-5, vocab_size=SHAPE["vocab"], rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    model = Model(args)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=SHAPE["weight_group"], bits=SHAPE["weight_bits"])
+    mx.eval(model.parameters())
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
+    """Bytes/s of a large reduction (reads every byte once), best of `repeats`."""
+    data = mx.random.uniform(shape=(n_bytes // 4,), dtype=mx.float32)
+    mx.eval(data)
+    best = 0.0
+    for _ in range(repeats):
+        mx.synchronize()
+        began = time.perf_counter()
+        mx.eval(mx.sum(data))
+        mx.synchronize()
+        best = max(best, n_bytes / (time.perf_counter() - began))
+    del data
+    return best
+
+
+def make_caches(spec: str, n_layers: int) -> list[Any]:
+    """Per-layer caches for a spec string (see the module doc)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if spec == "mlx-kv":
+        return [KVCache() for _ in range(n_layers)]
+    if spec.startswith("mlx-q:"):
+        parts = spec[len("mlx-q:"):].split(":")
+        bits, group = int(parts[0]), int(parts[1]) if len(parts) > 1 else 64
+        return [QuantizedKVCache(group_size=group, bits=bits) for _ in range(n_layers)]
+    from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
+
+    text, _, mode = spec.partition("@")
+    head, *extras = text.split("+")
+    method, *rest = head.split(":")
+    fields: dict[str, Any] = {"method": method}
+    if rest:
+        fields["key_bits"] = int(rest[0])
+    if len(rest) > 1:
+        fields["group_size"] = int(rest[1])
+    for extra in extras:
+        fields["residual_window" if extra[0] == "w" else "sink_tokens"] = int(extra[1:])
+    if method not in ("fp16", "fp32"):
+        fields["options"] = {"kernels": mode or "auto", "prefill_attention": "auto"}
+    shape = ModelShape(n_layers=n_layers, n_heads=SHAPE["heads"], n_kv_heads=SHAPE["kv_heads"],
+                       head_dim=SHAPE["head_dim"])
+    return KVCacheBuilder(KVCacheConfig(**fields)).for_shape(shape).build()
+
+
+def cache_bytes(caches: list[Any]) -> int:
+    """Bytes a decode step reads from the caches: Velox's `nbytes`; mlx-lm's state (views up to offset)."""
+    from mlx.utils import tree_flatten
+
+    total = 0
+    for cache in caches:
+        if hasattr(cache, "_held_arrays"):
+            total += cache.nbytes
+        else:
+            total += sum(v.nbytes for _, v in tree_flatten(cache.state) if isinstance(v, mx.array))
+    return total
+
+
+def fill(caches: list[Any], context: int) -> None:
+    """`context` random tokens into every layer through update_and_fetch, FILL_CHUNK at a time."""
+    shape = (1, SHAPE["kv_heads"], FILL_CHUNK, SHAPE["head_dim"])
+    for start in range(0, context, FILL_CHUNK):
+        n = min(FILL_CHUNK, context - start)
+        keys = mx.random.normal(shape).astype(mx.bfloat16)[..., :n, :]
+        values = mx.random.normal(shape).astype(mx.bfloat16)[..., :n, :]
+        for cache in caches:
+            cache.update_and_fetch(keys, values)
+        mx.eval([c.state for c in caches])
+
+
+def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) -> list[float]:
+    token = mx.array([[128]], dtype=mx.int32)
+    times = []
+    for step in range(warmup + steps):
+        mx.synchronize()
+        began = time.perf_counter()
+        logits = model(token, cache=caches)
+        mx.eval(logits)
+        mx.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - began)
+    return sorted(times)
+
+
+def time_prefill(model: nn.Module, spec: str, n_tokens: int) -> dict[str, Any]:
+    caches = make_caches(spec, SHAPE["layers"])
+    prompt = mx.random.randint(0, SHAPE["vocab"], (1, n_tokens)).astype(mx.int32)
+    mx.eval(prompt)
+    mx.synchronize()
+    began = time.perf_counter()
+    for start in range(0, n_tokens, PREFILL_CHUNK):
+        logits = model(prompt[:, start : start + PREFILL_CHUNK], cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+    mx.synchronize()
+    seconds = time.perf_counter() - began
+    # One decode step after the real prefill, to show the cache it built decodes too.
+    step = time_decode(model, caches, steps=3, warmup=1)
+    del caches
+    return {"prefill_s": seconds, "prefill_tok_s": n_tokens / seconds, "decode_tok_s_after": 1 / step[1]}
+
+
+def _error_text(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
+    parser.add_argument("--specs", default=",".join(DEFAULT_SPECS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--prefill", type=int, default=0, help="also time a chunked prefill of this many tokens")
+    parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS))
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+
+    record: dict[str, Any] = {
+        "schema": "velox-bench/1", "kind": "decode", "device": str(mx.default_device()), "mlx": mx.__version__,
+        "platform": f"{platform.system()} {platform.machine()}", "shape": SHAPE, "contexts": contexts,
+        "steps": args.steps, "warmup": args.warmup, "fill_chunk": FILL_CHUNK,
+    }
+    try:
+        record["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip()
+    except Exception as error:  # not an NVIDIA machine
+        record["gpu"] = f"unknown ({type(error).__name__})"
+    bandwidth = read_bandwidth()
+    record["read_bytes_per_second"] = bandwidth
+    model = build_model()
+    weights = weight_bytes(model)
+    record["weight_bytes"] = weights
+    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB", flush=True)
+
+    out = Path(args.out)
+    rows: list[dict[str, Any]] = []
+    reference: dict[int, float] = {}
+    for spec in specs:
+        for context in contexts:
+            row: dict[str, Any] = {"spec": spec, "context": context}
+            caches = None
+            try:
+                caches = make_caches(spec, SHAPE["layers"])
+                fill(caches, context)
+                held = cache_bytes(caches)
+                times = time_decode(model, caches, args.steps, args.warmup)
+                median = times[len(times) // 2]
+                row |= {
+                    "tok_s": 1 / median, "ms": median * 1000, "ms_min": times[0] * 1000, "ms_max": times[-1] * 1000,
+                    "held_bytes": held, "bound_tok_s": bandwidth / (weights + held),
+                }
+                if spec == "fp16":
+                    reference[context] = row["tok_s"]
+                if context in reference:
+                    row["vs_fp16"] = row["tok_s"] / reference[context]
+                print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s ({row['ms']:.2f} ms; bound "
+                      f"{row['bound_tok_s']:.0f} tok/s; cache {held / 1e9:.2f} GB; "
+                      f"x{row.get('vs_fp16', float('nan')):.2f} fp16)", flush=True)
+            except Exception as error:  # record what fails, e.g. a quantized_matmul shape without a kernel
+                row["error"] = _error_text(error)
+                print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)
+            del caches
+            gc.collect()
+            mx.clear_cache()
+            rows.append(row)
+            out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
+    if args.prefill:
+        prefill_rows = []
+        for spec in [s.strip() for s in args.prefill_specs.split(",") if s.strip()]:
+            row = {"spec": spec, "context": args.prefill}
+            try:
+                row |= time_prefill(model, spec, args.prefill)
+                print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s "
+                      f"(then decode {row['decode_tok_s_after']:.1f} tok/s)", flush=True)
+            except Exception as error:
+                row["error"] = _error_text(error)
+                print(f"prefill {spec:16s}: FAILED {row['error']}", flush=True)
+            gc.collect()
+            mx.clear_cache()
+            prefill_rows.append(row)
+            out.write_text(json.dumps({**record, "rows": rows, "prefill": prefill_rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

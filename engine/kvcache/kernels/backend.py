@@ -1,0 +1,172 @@
+"""One kernel body, two backends: the thin Metal and CUDA preludes and the factory that picks one.
+
+Every kernel in this package is written once, as a body in a small common dialect, and handed to
+`mx.fast.metal_kernel` on a Mac or `mx.fast.cuda_kernel` on NVIDIA with a prelude that defines the dialect:
+
+    TID            thread index in its threadgroup / block (x)
+    GROUP_X, GROUP_Y   threadgroup / block index in the grid (x, y)
+    GROUPS_X       number of threadgroups / blocks along x
+    SHARED         threadgroup / __shared__ memory qualifier
+    BARRIER()      threadgroup barrier (memory fence included)
+    LANE_XOR(x, m) value of `x` in the lane whose index is this lane's xor m (simdgroup / warp of 32)
+    EXP, FMAX      float exp and max
+    U32, U64       32- and 64-bit unsigned integers
+    GLOBAL, THREAD address-space qualifiers of device memory and of a thread's own arrays (empty on CUDA)
+    INLINE         qualifier of helper functions in the header
+
+Both MLX front ends take `grid` as the total number of threads (Metal's dispatch_threads; MLX's CUDA
+launcher divides by the block size itself), so a launch is described once for both.
+
+MLX's Metal front end passes a kernel argument such as `thread_position_in_threadgroup` only when the
+*body* names it, so the Metal prelude is text at the top of the body, not part of the header. It also
+passes inputs of fewer than 8 elements in the `constant` address space, which the helpers' `GLOBAL`
+(device) pointers cannot take: only large arrays (codes) go through helpers; small tables (centroids,
+boundaries, the scale) are indexed in the body itself, where either address space works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+BACKENDS = ("metal", "cuda")
+
+_CUDA_HEADER = """
+#define SHARED __shared__
+#define BARRIER() __syncthreads()
+#define LANE_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define EXP(x) __expf(x)
+#define FMAX(a, b) fmaxf((a), (b))
+#define U32 unsigned int
+#define U64 unsigned long long
+#define GLOBAL
+#define THREAD
+#define INLINE __device__ __forceinline__
+"""
+
+_CUDA_PRELUDE = """
+  const int TID = threadIdx.x;
+  const int GROUP_X = blockIdx.x;
+  const int GROUP_Y = blockIdx.y;
+  const int GROUPS_X = gridDim.x;
+"""
+
+_METAL_HEADER = """
+#define SHARED threadgroup
+#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define LANE_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
+#define EXP(x) metal::fast::exp(x)
+#define FMAX(a, b) metal::max((a), (b))
+#define U32 uint
+#define U64 ulong
+#define GLOBAL device
+#define THREAD thread
+#define INLINE inline
+"""
+
+_METAL_PRELUDE = """
+  const int TID = (int)thread_position_in_threadgroup.x;
+  const int GROUP_X = (int)threadgroup_position_in_grid.x;
+  const int GROUP_Y = (int)threadgroup_position_in_grid.y;
+  const int GROUPS_X = (int)threadgroups_per_grid.x;
+"""
+
+
+def available_backend() -> str | None:
+    """"cuda" or "metal" when the default device is a GPU whose MLX build runs custom kernels, else None.
+
+    Decided from the default device at call time: a CPU default device (tests, the CPU fast path) means
+    no kernels even on a machine with a GPU, because the kernels would run on the GPU stream.
+    """
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def assemble(backend: str, body: str, header: str = "", defines: str = "") -> tuple[str, str]:
+    """(header, source) for `backend`: the dialect's header + `header`, and the prelude + `defines` + body."""
+    if backend == "cuda":
+        return _CUDA_HEADER + header, _CUDA_PRELUDE + defines + body
+    if backend == "metal":
+        return _METAL_HEADER + header, _METAL_PRELUDE + defines + body
+    raise ValueError(f"Unknown kernel backend {backend!r}; known are {', '.join(BACKENDS)}.")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """Everything that defines one kernel, before a backend is chosen."""
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    body: str
+    header: str = ""
+    defines: str = ""
+
+    def for_backend(self, backend: str) -> tuple[str, str]:
+        return assemble(backend, self.body, self.header, self.defines)
+
+
+def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
+    """The MLX kernel object of `source` on `backend` (compiled by MLX on first launch, then cached)."""
+    header, body = source.for_backend(backend)
+    common: dict[str, Any] = {
+        "name": source.name,
+        "input_names": list(source.input_names),
+        "output_names": list(source.output_names),
+        "source": body,
+        "header": header,
+        "ensure_row_contiguous": True,
+    }
+    if backend == "cuda":
+        return mx.fast.cuda_kernel(**common)
+    return mx.fast.metal_kernel(**common)
+
+
+_BUILT: dict[tuple[KernelSource, str], Callable[..., list[mx.array]]] = {}
+
+
+def kernel(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
+    """`build`, memoised: one MLX kernel object per source and backend for the whole process."""
+    key = (source, backend)
+    built = _BUILT.get(key)
+    if built is None:
+        built = _BUILT[key] = build(source, backend)
+    return built
+
+
+class Ruler:
+    """Counts handed to kernels as the *length* of a slice of one shared array, not as data.
+
+    A kernel reads `name_shape[0] - 1`. The slice is a view (no copy, no kernel) and the count travels
+    with the launch's shape arguments, so a count that changes every step (tokens in a window) neither
+    recompiles the kernel (MLX compiles per source and template, shapes are runtime arguments) nor
+    uploads a small array from the host each step.
+    """
+
+    def __init__(self) -> None:
+        self._array = mx.zeros((1 << 16,), dtype=mx.uint8)
+
+    def __call__(self, count: int) -> mx.array:
+        if count + 1 > self._array.shape[0]:
+            size = self._array.shape[0]
+            while size < count + 1:
+                size *= 2
+            self._array = mx.zeros((size,), dtype=mx.uint8)
+        return self._array[: count + 1]
+
+
+RULER = Ruler()
+
+
+def names_are_distinct(names: Sequence[str]) -> bool:
+    """MLX finds `<name>_shape` by substring search in the body: no name may end another's `_shape`."""
+    return not any(a != b and (b + "_shape").endswith(a + "_shape") for a in names for b in names)

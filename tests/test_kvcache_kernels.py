@@ -1,0 +1,310 @@
+"""The kernel layer (engine/kvcache/kernels): sources for both backends, the mode switch, CPU fallback, and
+parity of the fused decode kernel with the pure-MLX reference where a GPU kernel backend exists.
+
+The parity tests need MLX's CUDA or Metal build on a GPU default device and are skipped elsewhere (the CPU
+CI keeps running the reference path through every other test). Where `nvcc` and MLX's CUDA device headers
+are installed, the CUDA translation units are compiled for sm_90 exactly as MLX would generate them, so a
+syntax error in a kernel shows up on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.errors import ConfigError
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
+from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
+from engine.kvcache.kernels.backend import BACKENDS, KernelSource, names_are_distinct
+from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source
+from engine.kvcache.kernels.encode import encode_source
+
+# Every (key codec, value codec) pair a method uses, at every width it supports.
+CODEC_PAIRS = (
+    *[(Codec("affine", b), Codec("affine", b)) for b in (2, 3, 4, 5, 6, 8)],
+    *[(Codec("kivi_keys", b), Codec("affine", b)) for b in (2, 3, 4, 8)],
+    *[(Codec("codebook", b), Codec("codebook", b)) for b in (1, 2, 3, 4)],
+    *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
+)
+ALL_SOURCES = (MERGE_SOURCE, encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS))
+
+# The specs the parity tests cover: every method, untidy windows and sinks, several widths.
+PARITY_SPECS = (
+    ("affine", 4, 64, 0, 0),
+    ("affine", 3, 32, 5, 3),
+    ("affine", 8, 128, 0, 4),
+    ("rotated", 4, 64, 0, 0),
+    ("rotated", 2, 64, 17, 0),
+    ("kivi", 4, 64, 0, 0),
+    ("kivi", 3, 32, 9, 4),
+    ("kivi", 2, 64, 0, 0),
+    ("turboquant", 4, 64, 0, 0),
+    ("turboquant", 3, 64, 7, 2),
+    ("turboquant", 1, 64, 0, 0),
+    ("rvq", 4, 64, 0, 0),
+    ("rvq", 3, 64, 3, 1),
+)
+
+
+# ----- sources (string level, every backend) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ALL_SOURCES, ids=lambda s: s.name)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_kernel_assembles_for_both_backends(source: KernelSource, backend: str) -> None:
+    header, body = source.for_backend(backend)
+    # The dialect is fully defined by the prelude: no CUDA-only or Metal-only spelling leaks into a body.
+    assert "__shfl" not in source.body and "simd_" not in source.body and "threadIdx" not in source.body
+    if backend == "cuda":
+        assert "__shfl_xor_sync" in header and "threadIdx.x" in body and "__syncthreads" in header
+        assert "threadgroup_barrier" not in header + body and "simd_shuffle" not in header + body
+    else:
+        # MLX's Metal front end adds the attributes a body names; the prelude must name them in the body.
+        assert "thread_position_in_threadgroup" in body and "threadgroups_per_grid" in body
+        assert "simd_shuffle_xor" in header and "threadgroup_barrier" in header
+        assert "__syncthreads" not in header + body and "__device__" not in header + body
+    # Every macro the body uses is defined by the header or the defines.
+    used = set(re.findall(r"\b(LOAD_KEY|LOAD_VALUE|LANE_XOR|BARRIER|EXP|FMAX|SHARED|GLOBAL|THREAD|U32|U64)\b", body))
+    for macro in used:
+        assert f"#define {macro}" in header + body, macro
+    assert names_are_distinct(source.input_names + source.output_names)
+    # Balanced braces: a stray macro edit would show here first.
+    assert body.count("{") == body.count("}") and header.count("{") == header.count("}")
+
+
+def test_shape_names_are_found_only_for_their_own_input() -> None:
+    assert names_are_distinct(("k0", "v0", "sink_k", "win_k"))
+    assert not names_are_distinct(("k", "sink_k"))  # "k_shape" would be found inside "sink_k_shape"
+
+
+# ----- the CUDA translation units compile (needs nvcc and MLX's CUDA device headers; no GPU) -------------
+
+
+def _mlx_include() -> Path | None:
+    """MLX's include folder with the CUDA device headers: the installed wheel's (CUDA builds ship them) or
+    VELOX_MLX_CUDA_INCLUDE (e.g. `git archive v0.32.1 mlx/backend/cuda/device` of MLX's repository)."""
+    for root in (os.environ.get("VELOX_MLX_CUDA_INCLUDE"), Path(mx.__file__).parent / "include"):
+        if root and (Path(root) / "mlx/backend/cuda/device/utils.cuh").exists():
+            return Path(root)
+    return None
+
+
+def _cuda_type(dtype: mx.Dtype) -> str:
+    return {
+        mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+        mx.uint32: "uint32_t", mx.uint8: "uint8_t",
+    }[dtype]
+
+
+def _cuda_unit(source: KernelSource, inputs: dict[str, mx.Dtype], outputs: dict[str, mx.Dtype],
+               template: dict[str, object]) -> str:
+    """The translation unit MLX's `cuda_kernel` builds (mlx/backend/cuda/custom_kernel.cpp, build_kernel)."""
+    header, body = source.for_backend("cuda")
+    params = []
+    for name in source.input_names:
+        params.append(f"const {_cuda_type(inputs[name])}* {name}")
+        if f"{name}_shape" in body:
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+    params += [f"{_cuda_type(outputs[name])}* {name}" for name in source.output_names]
+    constants = "".join(
+        f"  using {k} = {_cuda_type(v)};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};\n"
+        for k, v in template.items()
+    )
+    return (
+        '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+        + header
+        + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+        + f"__global__ void {source.name}(\n    " + ",\n    ".join(params) + ") {\n"
+        + constants + body + "\n}\n}\n"
+    )
+
+
+def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
+    dtypes = {"qry": mx.bfloat16, "qscale": mx.float32, "n_sink_r": mx.uint8, "n_comp_r": mx.uint8,
+              "n_win_r": mx.uint8}
+    dtypes |= {n: mx.bfloat16 for n in ("sink_k", "sink_v", "win_k", "win_v")}
+    for prefix, codec in (("k", key), ("v", value)):
+        kinds = {
+            "affine": (mx.uint32, mx.bfloat16, mx.bfloat16),
+            "kivi_keys": (mx.uint32, mx.bfloat16, mx.bfloat16),
+            "codebook": (mx.uint32, mx.bfloat16, mx.float32),
+            "rvq": (mx.uint32, mx.bfloat16, mx.float32, mx.uint32, mx.bfloat16, mx.float32),
+        }[codec.kind]
+        dtypes |= {f"{prefix}{i}": dtype for i, dtype in enumerate(kinds)}
+    return dtypes
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or _mlx_include() is None,
+                    reason="needs nvcc and MLX's CUDA device headers (mlx/include) to compile CUDA sources")
+def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
+    # One pair per codec kind (nvcc takes ~30 s a unit on a small CPU); every pair assembles above.
+    kinds_seen: set[str] = set()
+    pairs = [p for p in CODEC_PAIRS if not (p[0].kind in kinds_seen or kinds_seen.add(p[0].kind))]
+    units = []
+    for key, value in pairs:
+        source = attend_source(key, value)
+        units.append(_cuda_unit(source, _attend_dtypes(key, value),
+                                {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
+                                {"D": 128, "R": 4, "NT": 128, "G": 64}))
+    for stages in (1, 2):
+        names = encode_source(stages).input_names + encode_source(stages).output_names
+        dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,
+                                                    "rscales": mx.bfloat16, "packed": mx.uint32, "residual": mx.uint32}
+        units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
+                                {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
+    units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o"), mx.float32),
+                            {"out": mx.bfloat16}, {"D": 128, "R": 4, "TO": mx.bfloat16}))
+    for index, unit in enumerate(units):
+        path = tmp_path / f"kernel{index}.cu"
+        path.write_text(unit)
+        result = subprocess.run(
+            ["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-o", str(tmp_path / f"k{index}.o"),
+             f"-I{_mlx_include()}", str(path)],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+
+
+# ----- the switch -------------------------------------------------------------------------------------------
+
+
+def test_kernel_mode_is_checked_with_the_config() -> None:
+    for mode in ("auto", "require", "off"):
+        assert check_kernel_mode(mode) == mode
+    with pytest.raises(ConfigError, match="kernels option"):
+        KVCacheConfig(method="kivi", key_bits=4, options={"kernels": "always"}).validate(128)
+
+
+@pytest.mark.skipif(available_backend() is not None, reason="checks the CPU fallback")
+def test_cpu_falls_back_under_auto_and_require_says_why() -> None:
+    assert resolve_backend("auto") is None and resolve_backend("off") is None
+    with pytest.raises(ConfigError, match="kernels='require' but the default device"):
+        resolve_backend("require")
+    caches = _filled("kivi", 4, 64, 0, 0, tokens=200, mode="require")
+    queries = mx.random.normal((1, 4, 1, 64))
+    with pytest.raises(ConfigError, match="require"):
+        caches.attention(queries, None, None, scale=0.125, mask=None)
+    auto = _filled("kivi", 4, 64, 0, 0, tokens=200, mode="auto")
+    off = _filled("kivi", 4, 64, 0, 0, tokens=200, mode="off")
+    a = auto.attention(queries, None, None, scale=0.125, mask=None)
+    b = off.attention(queries, None, None, scale=0.125, mask=None)
+    assert mx.array_equal(a, b)
+
+
+# ----- parity with the reference (GPU backends only) ------------------------------------------------------
+
+
+def _filled(method: str, bits: int, group: int, window: int, sinks: int, tokens: int, mode: str,
+            head_dim: int = 64, n_kv: int = 2, dtype: mx.Dtype = mx.float32, seed: int = 0):
+    """A one-layer cache of `tokens` random tokens, filled in an untidy chunk and then token by token."""
+    config = KVCacheConfig(method=method, key_bits=bits, group_size=group, residual_window=window,
+                           sink_tokens=sinks, options={"kernels": mode})
+    shape = ModelShape(n_layers=1, n_heads=4 * n_kv, n_kv_heads=n_kv, head_dim=head_dim)
+    cache = KVCacheBuilder(config).for_shape(shape).build()[0]
+    rng = np.random.default_rng(seed)
+    keys = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
+    cut = max(1, tokens - 3)
+    cache.update_and_fetch(keys[..., :cut, :], values[..., :cut, :])
+    for t in range(cut, tokens):
+        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    mx.eval(cache.state)
+    return cache
+
+
+needs_gpu = pytest.mark.skipif(available_backend() is None,
+                               reason="needs MLX's CUDA or Metal build on a GPU default device (kernel backend)")
+
+
+def _reference_of(cache):
+    """The same cache contents (shared arrays) with kernels off: the pure-MLX reference path."""
+    reference = copy.copy(cache)
+    reference.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
+    return reference
+
+
+@needs_gpu
+@pytest.mark.parametrize("spec", PARITY_SPECS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("tokens", (70, 1000, 4097))
+def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
+    """bf16 cache and queries; the reference attends over the very same compressed arrays on the CPU
+    stream in float32 (MLX's CUDA quantized_matmul has no kernel for most of these untidy shapes)."""
+    method, bits, group, window, sinks = spec
+    for head_dim, n_kv, repeats in ((128, 2, 4), (64, 3, 2)):
+        if head_dim % group:
+            continue
+        fused = _filled(method, bits, group, window, sinks, tokens, "require", head_dim, n_kv, mx.bfloat16,
+                        seed=tokens)
+        reference = _reference_of(fused)
+        rng = np.random.default_rng(tokens + 7)
+        queries = mx.array(rng.standard_normal((1, n_kv * repeats, 1, head_dim), dtype=np.float32))
+        queries = queries.astype(mx.bfloat16)
+        scale = head_dim**-0.5
+        assert fused.n_compressed > 0
+        out = fused.attention(queries, None, None, scale=scale, mask=None)
+        out_causal = fused.attention(queries, None, None, scale=scale, mask="causal")
+        mx.eval(out, out_causal)
+        with mx.stream(mx.cpu):
+            ref = reference.attention(queries.astype(mx.float32), None, None, scale=scale, mask=None)
+            mx.eval(ref)
+        assert out.shape == ref.shape and out.dtype == mx.bfloat16
+        error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
+        assert np.isfinite(error) and error <= 2e-3, f"{spec} tokens={tokens} D={head_dim}: max abs err {error}"
+        assert mx.array_equal(out, out_causal)
+
+
+@needs_gpu
+def test_decode_kernel_short_caches_and_sinks_only() -> None:
+    """1 token, sinks only, window only, few compressed tokens."""
+    for method in ("affine", "kivi", "turboquant"):
+        for tokens, window, sinks in ((1, 0, 0), (3, 0, 4), (5, 16, 0), (300, 0, 2)):
+            fused = _filled(method, 4, 64, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)
+            reference = _reference_of(fused)
+            queries = mx.array(np.random.default_rng(1).standard_normal((1, 8, 1, 128), dtype=np.float32))
+            out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
+            with mx.stream(mx.cpu):
+                ref = reference.attention(queries.astype(mx.bfloat16).astype(mx.float32), None, None,
+                                          scale=128**-0.5, mask=None)
+                mx.eval(ref)
+            # One or a few tokens: the output is about a value vector itself (|x| up to ~4), and with nothing
+            # compressed yet both sides are the bf16 reference path against float32: two bf16 ulps.
+            error = float(mx.max(mx.abs(out.astype(mx.float32) - ref) / mx.maximum(mx.abs(ref), 1.0)))
+            assert error <= 1.6e-2, (method, tokens, window, sinks, error)
+
+
+@needs_gpu
+@pytest.mark.parametrize("method,bits", [("turboquant", 4), ("turboquant", 3), ("turboquant", 1), ("rvq", 4),
+                                         ("rvq", 3), ("rvq", 2)])
+def test_codebook_encode_kernel_matches_reference(method: str, bits: int) -> None:
+    """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
+    value sits within float rounding of a boundary: at most 1 in 10,000)."""
+    config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
+    cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    rng = np.random.default_rng(bits)
+    keys = mx.array(rng.standard_normal((1, 2, 777, 128), dtype=np.float32)).astype(mx.bfloat16)
+    cache._setup_from(keys, keys)
+    rotated = cache._keys_in(keys).astype(mx.bfloat16)
+    fused = cache._encode(rotated, rotated)
+    with mx.stream(mx.cpu):
+        reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(rotated, "value")}
+        mx.eval(reference)
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:
+            mismatched = float(mx.mean((got != ref).astype(mx.float32)))
+            assert mismatched <= 1e-3, (name, mismatched)  # per packed word: <= ~1e-4 per code
+        else:
+            error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
+                                 / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))
+            assert error <= 1e-2, (name, error)
