@@ -2,9 +2,7 @@
 
 `server.VeloxServer` runs it; `provider` makes mlx-lm's model provider and prompt cache hold Velox caches
 (and says which part of mlx-lm's server cannot); `handler` puts the safety checks in front of mlx-lm's
-request handler. Importing this package imports MLX: call `engine.runtime.prepare_runtime()` first.
+request handler; `example` is the client snippet shown by `--help` and the app. Only `example` is free
+of MLX (the others import mlx-lm: call `engine.runtime.prepare_runtime()` first), so nothing is imported
+here.
 """
-
-from engine.serve.server import ServeError, ServeOptions, VeloxServer, is_loopback
-
-__all__ = ["ServeError", "ServeOptions", "VeloxServer", "is_loopback"]

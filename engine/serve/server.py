@@ -20,6 +20,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any
 
 from engine.errors import ModelError, VeloxError
+from engine.serve.example import base_url
 from engine.serve.handler import RequestLimits, handler_class
 from engine.serve.provider import VeloxModelProvider, VeloxPromptCache, serving_cache_factory
 
@@ -130,18 +131,17 @@ class VeloxServer:
         self.generator: Any = None
         self.httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._port = options.port
 
     # ----- facts -------------------------------------------------------------------------------------------
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1]) if self.httpd is not None else self.options.port
+        return self._port
 
     @property
     def base_url(self) -> str:
-        host = self.options.host
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{self.port}/v1"
+        return base_url(self.options.host, self.port)
 
     @property
     def model_name(self) -> str:
@@ -157,6 +157,7 @@ class VeloxServer:
         """Bind the address, load the model on mlx-lm's generation thread, then serve in the background.
         ServeError (one line) if the address is taken or the model does not load."""
         self.httpd = self._bind()
+        self._port = int(self.httpd.server_address[1])
         self.generator = _response_generator_class()(self.provider, self.prompt_cache)
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while self.provider.model is None and self.provider.load_error is None:
@@ -205,11 +206,13 @@ class VeloxServer:
             self._thread.join(0.5)
 
     def stop(self) -> None:
+        """Stop answering, end the generation thread; safe to call more than once."""
         if self.httpd is not None:
             if self._thread is not None:
                 self.httpd.shutdown()
                 self._thread.join()
             self.httpd.server_close()
+            self.httpd = None
         if self.generator is not None:
             self.generator.stop_and_join()
             self.generator = None
