@@ -67,8 +67,9 @@ def check_body(body: Any, path: str, limits: RequestLimits) -> dict[str, Any]:
             404, f"The model {model!r} does not exist here; this server serves {limits.model_name!r} "
             "(also reachable as 'default').", "model_not_found",
         )
-    if model is None:  # mlx-lm would echo its internal name 'default_model'
-        body["model"] = limits.model_name
+    # Answer with the served model's own name (OpenAI's replies name the model that answered; mlx-lm
+    # would echo the alias asked for, or its internal 'default_model').
+    body["model"] = limits.model_name
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is None:
