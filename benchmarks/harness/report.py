@@ -1577,6 +1577,16 @@ def figure_gpu(gpu: Source, path: Path, base: Path) -> None:
 # ----- the document ------------------------------------------------------------------------------------------
 
 
+# Sections after this line in BENCHMARKS.md are written by other scripts (e.g. benchmarks/serve_ttft.py) and are
+# carried over unchanged when the report is regenerated.
+HAND_WRITTEN_MARKER = "<!-- hand-written sections below: kept as they are by `velox bench report` -->"
+
+
+def _hand_written_part(markdown: Path) -> str:
+    text = markdown.read_text(encoding="utf-8") if markdown.is_file() else ""
+    return "\n" + text[text.index(HAND_WRITTEN_MARKER):] if HAND_WRITTEN_MARKER in text else ""
+
+
 def write_report(results_dir: Path, markdown: Path, figures_dir: Path, readme: Path | None = None) -> list[Path]:
     """Write BENCHMARKS.md (and the figures when matplotlib is installed) from the results in `results_dir`.
 
@@ -1673,7 +1683,7 @@ def write_report(results_dir: Path, markdown: Path, figures_dir: Path, readme: P
         *other_section(results, base),
     ]
     markdown.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
+    markdown.write_text("\n".join(lines).rstrip() + "\n" + _hand_written_part(markdown), encoding="utf-8")
     written.insert(0, markdown)
     if readme is None and markdown.resolve() == (ROOT / "BENCHMARKS.md").resolve():
         readme = ROOT / "README.md"
