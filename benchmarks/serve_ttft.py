@@ -183,7 +183,7 @@ def write_section(results: dict[str, Any], markdown: Path = BENCHMARKS_MD) -> No
     ]
     for entry in run.values():
         if "error" in entry:
-            rows.append(f"| {entry['label']} | failed: {entry['error']} | | | |")
+            rows.append(f"| {entry['label']} | {entry['error']} | | | |")
             continue
         first, follow = entry["first"], entry["follow_up"]
         reused = "?" if follow["cached_tokens"] is None else f"{follow['cached_tokens']:,}"
@@ -196,9 +196,11 @@ def write_section(results: dict[str, Any], markdown: Path = BENCHMARKS_MD) -> No
         SECTION_START,
         "## Local server: time to first token (`velox serve`)",
         "",
-        f"{results['model']} on {machine['platform']}, {machine['cpu_count']} cores (load average "
-        f"{', '.join(str(x) for x in machine['load_average_1_5_15'])} when the run began, a shared machine: "
-        f"one run per server), {results['date']}. Each server, in its own process, gets a streamed chat request "
+        f"{results['model']} on {machine['platform']}, {machine['cpu_count']} cores shared with other jobs "
+        f"(load average {', '.join(str(x) for x in machine['load_average_1_5_15'])} when the run began, "
+        f"{', '.join(str(x) for x in machine.get('load_average_1_5_15_at_end', []))} at its end), one run per "
+        f"server, {results['date']}. TTFT is wall time, so on this loaded machine it is several times what an "
+        "idle one gives; compare the rows with each other, not with the CPU speeds above. Each server, in its own process, gets a streamed chat request "
         f"with {results['document_tokens']:,} tokens of prose and a question, then a follow-up that extends it "
         "(the first prompt, the reply, a new question). TTFT is from sending to the first streamed text, "
         "through the `openai` client; *reused* is the server's own `usage.prompt_tokens_details.cached_tokens`.",
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         else:
             print(f"  failed: {run['error']}", file=sys.stderr, flush=True)
+        results["machine"]["load_average_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     write_section(results)
