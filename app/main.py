@@ -130,6 +130,7 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
 def _add_local_server(controller: Any, window: Any, tray: Any) -> None:
     """The "Local server" switch (off until switched on): a Server menu in the window, and the same items in
     the tray menu where there is one. It serves the chat's model with the chat's compression level."""
+    # Qt modules, imported with the rest of the GUI in build_app (after the Qt binding check)
     from app.server_control import LocalServerControl
     from app.views.widgets.server_menu import ServerMenuItems
 

@@ -50,13 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache_config(args: argparse.Namespace, kv_config: Any) -> Any:
     """The KVCacheConfig to serve with (None = uncompressed); `kv_config` is app.cli's --kv/--kv-bits one."""
-    from engine.errors import ConfigError
+    from engine.errors import ConfigError  # with the engine, once the command runs (app.cli stays light)
 
     if args.level is not None and (args.kv is not None or args.kv_bits is not None):
         raise ConfigError("Give either --level or --kv/--kv-bits, not both.")
     if kv_config is not None:
         return kv_config
-    from engine.planning.recommend import UNCOMPRESSED_LEVEL_KEY, level_by_key
+    from engine.planning.recommend import UNCOMPRESSED_LEVEL_KEY, level_by_key  # as above
 
     level = args.level or DEFAULT_LEVEL
     return None if level == UNCOMPRESSED_LEVEL_KEY else level_by_key(level).to_config()
@@ -64,6 +64,7 @@ def _cache_config(args: argparse.Namespace, kv_config: Any) -> Any:
 
 def run(args: argparse.Namespace, kv_config: Any, progress: Any) -> int:
     """Serve until Ctrl-C. VeloxErrors (bad option, port taken, model fails) go to app.cli as one line."""
+    # These load MLX and mlx-lm: only once `velox serve` runs, never for `velox --help`.
     from engine.models.catalog import resolve_model
     from engine.serve.server import ServeOptions, VeloxServer, is_loopback
 

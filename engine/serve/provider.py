@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import ModelProvider
 
+from engine.chat.session import _default_cache_factory
 from engine.errors import ModelError
+from engine.kvcache import KVCacheBuilder
+from engine.kvcache.registry import get_method
+from engine.models.catalog import load_model, resolve_model
 
 CacheFactory = Callable[[Any], list[Any]]
 
@@ -37,14 +42,7 @@ def serving_cache_factory(config: Any | None) -> CacheFactory:
     faster prefill path of the device (decoded blocks on a CPU, the packed codes on Metal). It changes how
     prefill chunks attend, not what is stored, and single-token decoding always reads the packed codes."""
     if config is None:
-        from engine.chat.session import _default_cache_factory
-
         return _default_cache_factory
-    from dataclasses import replace
-
-    from engine.kvcache import KVCacheBuilder
-    from engine.kvcache.registry import get_method
-
     if get_method(config.method).attention_path != "dense" and "prefill_attention" not in config.options:
         config = replace(config, options={**config.options, "prefill_attention": "auto"})
 
@@ -135,8 +133,6 @@ class VeloxModelProvider(ModelProvider):
             model, tokenizer, info = self._preloaded
             self._preloaded = None
         else:
-            from engine.models.catalog import load_model, resolve_model
-
             model, tokenizer, info = load_model(resolve_model(self.model_spec))
         self._name(info)
         served = ServedModel(model, self.cache_factory)

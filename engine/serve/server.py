@@ -13,11 +13,15 @@ import argparse
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
+
+import mlx.core as mx
+from mlx_lm.server import ResponseGenerator
 
 from engine.errors import ModelError, VeloxError
 from engine.serve.example import base_url
@@ -92,29 +96,20 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver prints a traceback here; the handler already answered what it could.
-        import sys
-
         error = sys.exc_info()[1]
         log.warning("connection from %s failed: %s", client_address[0], type(error).__name__)
 
 
-def _response_generator_class() -> type:
-    from mlx_lm.server import ResponseGenerator
+class VeloxResponseGenerator(ResponseGenerator):
+    """mlx-lm's generation thread, which also destroys the MLX streams it made before it ends: streams left
+    to process exit abort it now and then ("terminate called without an active exception")."""
 
-    class VeloxResponseGenerator(ResponseGenerator):
-        """mlx-lm's generation thread, which also destroys the MLX streams it made before it ends: streams
-        left to process exit abort it now and then ("terminate called without an active exception")."""
-
-        def _run_generate(self) -> None:
-            import mlx.core as mx
-
-            try:
-                super()._run_generate()
-            finally:
-                mx.synchronize()
-                mx.clear_streams()
-
-    return VeloxResponseGenerator
+    def _run_generate(self) -> None:
+        try:
+            super()._run_generate()
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
 
 
 class VeloxServer:
@@ -158,7 +153,7 @@ class VeloxServer:
         ServeError (one line) if the address is taken or the model does not load."""
         self.httpd = self._bind()
         self._port = int(self.httpd.server_address[1])
-        self.generator = _response_generator_class()(self.provider, self.prompt_cache)
+        self.generator = VeloxResponseGenerator(self.provider, self.prompt_cache)
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while self.provider.model is None and self.provider.load_error is None:
             if time.monotonic() > deadline or not self.generator.generation_available():
