@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app import serve_cli  # MLX-free: its arguments and the client example only
 from app.logs import setup_logging, unexpected_error_line
 
 EXIT_ERROR = 1
@@ -47,6 +48,7 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list KV cache compression methods")
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
+    serve_cli.add_arguments(sub.add_parser("serve", help="a local OpenAI-compatible server with the compressed KV cache"))
     bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed; from a source checkout)")
     if harness is not None:
         harness.add_arguments(bench)

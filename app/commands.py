@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import engine
+from app import serve_cli
 from app.logs import log_path
 from engine.chat.documents import load_document
 from engine.chat.session import (
@@ -175,6 +176,8 @@ def run_command(args: argparse.Namespace, harness: Any = None) -> int:
             return _methods()
         if args.command == "app":
             return _app(args)
+        if args.command == "serve":
+            return serve_cli.run(args, _cache_config(args), _progress)
         if args.command == "bench":
             if harness is None:
                 print(

@@ -122,8 +122,31 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
         tray = TrayIcon(controller, window)
     if store.notice:
         window.banner.show_message(store.notice, "notice")
+    _add_local_server(controller, window, tray)
     controller.start(model=model, loaded=loaded)
     return controller, window, tray
+
+
+def _add_local_server(controller: Any, window: Any, tray: Any) -> None:
+    """The "Local server" switch (off until switched on): a Server menu in the window, and the same items in
+    the tray menu where there is one. It serves the chat's model with the chat's compression level."""
+    # Qt modules, imported with the rest of the GUI in build_app (after the Qt binding check)
+    from app.server_control import LocalServerControl
+    from app.views.widgets.server_menu import ServerMenuItems
+
+    server = LocalServerControl(parent=controller)
+
+    def choice() -> tuple[str | None, str]:
+        path = controller.model["path"] if controller.model else ""
+        return path or None, controller.level_key
+
+    window.server_control = server
+    window.server_items = ServerMenuItems(window.menuBar().addMenu("&Server"), server, choice)
+    server.failed.connect(lambda text: window.banner.show_message(f"Local server: {text}", "error"))
+    if tray is not None and tray.menu is not None:
+        quit_action = tray.menu.actions()[-1]
+        tray.server_items = ServerMenuItems(tray.menu, server, choice, before=quit_action)
+        tray.menu.insertSeparator(quit_action)
 
 
 def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
@@ -144,6 +167,7 @@ def run_app(model: str | None = None, argv: Sequence[str] | None = None) -> int:
     app.setQuitOnLastWindowClosed(not tray_available)
     controller, window, tray = build_app(model)
     app.aboutToQuit.connect(controller.shutdown)
+    app.aboutToQuit.connect(window.server_control.stop)
     hints = app.styleHints()
     if hasattr(hints, "colorSchemeChanged"):  # Qt 6.5+: follow the system's light/dark switch live
 

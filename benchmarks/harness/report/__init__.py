@@ -100,6 +100,16 @@ def write_figures(results: Results, figures_dir: Path, base: Path) -> dict[str, 
     return lines
 
 
+# Sections after this line in BENCHMARKS.md are written by other scripts (e.g. benchmarks/serve_ttft.py) and are
+# carried over unchanged when the report is regenerated.
+HAND_WRITTEN_MARKER = "<!-- hand-written sections below: kept as they are by `velox bench report` -->"
+
+
+def _hand_written_part(markdown: Path) -> str:
+    text = markdown.read_text(encoding="utf-8") if markdown.is_file() else ""
+    return "\n" + text[text.index(HAND_WRITTEN_MARKER):] if HAND_WRITTEN_MARKER in text else ""
+
+
 def write_report(results_dir: Path, markdown: Path, figures_dir: Path, readme: Path | None = None) -> list[Path]:
     """Write BENCHMARKS.md (and the figures when matplotlib is installed) from the results in `results_dir`.
 
@@ -110,7 +120,7 @@ def write_report(results_dir: Path, markdown: Path, figures_dir: Path, readme: P
     figure_lines = write_figures(results, figures_dir, base)
     drawn = [figures_dir / name for name in FIGURE_NAMES if figure_lines[name].startswith("![")]
     markdown.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text(document(results, base, figure_lines), encoding="utf-8")
+    markdown.write_text(document(results, base, figure_lines) + _hand_written_part(markdown), encoding="utf-8")
     written = [markdown, *drawn]
     if readme is None and markdown.resolve() == (ROOT / "BENCHMARKS.md").resolve():
         readme = ROOT / "README.md"
