@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import VeloxError
-from engine.paths import data_dir
+from engine.paths import PRIVATE_FILE_MODE, data_dir, make_private_file, private_dir
 
 if TYPE_CHECKING:
     from engine.chat.session import Message
@@ -196,7 +197,7 @@ class ConversationStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_private()
             connection = sqlite3.connect(
                 self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
             )
@@ -204,6 +205,20 @@ class ConversationStore:
             raise StoreError(f"The conversation database {self.path} cannot be opened: {error}.") from error
         connection.row_factory = sqlite3.Row
         return connection
+
+    def _make_private(self) -> None:
+        """Conversations hold whole documents: the folder is 0700 and the database and its WAL files 0600,
+        for a new file and for one an older Velox left readable by others. SQLite gives the -wal and -shm
+        files it creates later the database file's mode, so creating that file 0600 covers them too."""
+        private_dir(self.path.parent)
+        try:
+            descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE_MODE)
+        except FileExistsError:
+            pass
+        else:
+            os.close(descriptor)  # an empty file is a valid, empty SQLite database
+        for path in (self.path, *(self.path.with_name(self.path.name + suffix) for suffix in _SIDECAR_SUFFIXES)):
+            make_private_file(path)
 
     def _prepare(self, connection: sqlite3.Connection) -> None:
         """Configure the connection, check the file and bring its schema up to date."""
