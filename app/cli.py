@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.logs import log_path, setup_logging, unexpected_error_line
+from app.settings import MAX_TEMPERATURE  # the app's range: above it sampling is noise (no MLX import)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -32,6 +33,29 @@ def _progress(message: str, fraction: float) -> None:
         print(file=sys.stderr)
 
 
+def _number_checker(kind: type, accepts: Any, meaning: str) -> Any:
+    """An argparse `type=` that converts with `kind` and accepts only values `accepts` allows: a bad value
+    is one usage line from argparse, not a traceback later or, worse, nonsense output."""
+
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected {meaning}") from None
+        if value != value or not accepts(value):  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is out of range; expected {meaning}")
+        return value
+
+    return check
+
+
+_positive_int = _number_checker(int, lambda value: value >= 1, "a whole number of at least 1")
+_non_negative_int = _number_checker(int, lambda value: value >= 0, "a whole number of at least 0")
+_temperature = _number_checker(float, lambda value: 0.0 <= value <= MAX_TEMPERATURE,
+                               f"a temperature from 0 to {MAX_TEMPERATURE:g}")
+_probability = _number_checker(float, lambda value: 0.0 < value <= 1.0, "a probability above 0 and at most 1")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="velox", description="Chat with long documents on a local LLM.")
     sub = parser.add_subparsers(dest="command")
@@ -40,17 +64,18 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", "-m", default=None, help="model folder, 'org/name' in the HF cache, or 'default'")
     chat.add_argument("--doc", "-d", action="append", default=[], help="attach a document (txt, md, pdf, html)")
     chat.add_argument("--prompt", "-p", default=None, help="ask one question, print the answer and exit")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", "--temp", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--max-tokens", type=_positive_int, default=512, help="longest reply, in tokens (>= 1)")
+    chat.add_argument("--temperature", "--temp", type=_temperature, default=0.0,
+                      help=f"sampling temperature, 0 (greedy) to {MAX_TEMPERATURE:g}")
+    chat.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    chat.add_argument("--seed", type=_non_negative_int, default=0)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument(
         "--overflow", choices=["error", "drop-oldest", "truncate-middle"], default="error",
         help="what to do when the conversation exceeds the context (default: stop with an error)",
     )
     chat.add_argument("--kv", default=None, help="KV cache compression method (see `velox methods`)")
-    chat.add_argument("--kv-bits", type=int, default=None, help="bits per value for the compressed KV cache")
+    chat.add_argument("--kv-bits", type=_positive_int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
 
     sub.add_parser("models", help="list available models")
@@ -95,6 +120,34 @@ def _cache_config(args: argparse.Namespace) -> Any:
     if args.kv_bits is None:
         return KVCacheConfig(method=method)
     return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)
+
+
+def _level_key(cache_config: Any) -> str:
+    """The app's compression level whose memory estimate covers `cache_config`: the level itself, else the
+    level with as many key bits, else the 16-bit level (an upper bound for every quantized method)."""
+    from engine.planning.recommend import LEVELS
+
+    if cache_config is None:
+        return LEVELS[0].key
+    for level in LEVELS:
+        if level.to_config() == cache_config:
+            return level.key
+    same_bits = [level.key for level in LEVELS if level.key_bits == getattr(cache_config, "key_bits", None)]
+    return same_bits[0] if same_bits else LEVELS[0].key
+
+
+def _check_memory(session: Any, info: Any, level_key: str, question: str) -> None:
+    """Refuse a turn whose KV cache would not fit in the memory this process may use (cgroup limits
+    included), before any token is read: MemoryBudgetError with the engine's explanation. The app does
+    the same check before it reads a document (app/worker.py)."""
+    from engine.chat.session import Message
+    from engine.planning.memory import system_memory
+    from engine.planning.recommend import check_fits
+
+    draft = [*session.history, Message("user", question, list(session.pending_documents))]
+    n_tokens = min(len(session.render_tokens(draft)) + session.settings.max_tokens, session.context_length)
+    held = session.kv_cache_bytes()  # already allocated: out of "available", but ours to reuse
+    check_fits(info, n_tokens, level_key, system_memory()["available"] + held, weights_bytes=0)
 
 
 def _print_stats(stats: Any) -> None:
@@ -151,7 +204,9 @@ def _chat(args: argparse.Namespace) -> int:
         session.set_compression(cache_config)
     for document in documents:
         session.attach_document(document)
+    level_key = _level_key(cache_config)
     if args.prompt is not None:
+        _check_memory(session, info, level_key, args.prompt)
         _run_turn(session, args.prompt, args.stats)
         return 0
     print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
@@ -176,6 +231,13 @@ def _chat(args: argparse.Namespace) -> int:
             except VeloxError as error:
                 print(f"error: {error}", file=sys.stderr)
             continue
+        from engine.errors import VeloxError
+
+        try:
+            _check_memory(session, info, level_key, line)
+        except VeloxError as error:
+            print(f"error: {error}", file=sys.stderr)
+            continue
         _run_turn(session, line, args.stats)
 
 
@@ -196,7 +258,7 @@ def _info() -> int:
     import platform
 
     import engine
-    from engine.planning.memory import format_bytes, snapshot
+    from engine.planning.memory import format_bytes, snapshot, system_memory
     from engine.runtime import runtime_status
 
     snap = snapshot()
@@ -204,7 +266,8 @@ def _info() -> int:
     for key, value in runtime_status().items():
         print(f"{key}: {value}")
     print(f"memory: {format_bytes(snap.system_available)} available of {format_bytes(snap.system_total)} "
-          f"({snap.pressure}); this process {format_bytes(snap.process_rss)}")
+          f"({snap.pressure}, limited by {system_memory()['limited_by']}); "
+          f"this process {format_bytes(snap.process_rss)}")
     print(f"MLX memory: active {format_bytes(snap.mlx_active)}, peak {format_bytes(snap.mlx_peak)}, "
           f"cache {format_bytes(snap.mlx_cache)}")
     print(f"log file: {log_path()}")
