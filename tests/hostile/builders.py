@@ -61,3 +61,19 @@ def _assemble_pdf(objects: list[bytes]) -> bytes:
         out += b"%010d 00000 n \n" % offset
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
     return bytes(out)
+
+
+def model_folder_copy(source, target, *, copied=()):
+    """A model folder at `target` whose files are symbolic links to those of `source` (no 100 MB copy),
+    except the names in `copied`, which are real copies the test may damage."""
+    import shutil
+    from pathlib import Path
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True)
+    for entry in source.iterdir():
+        if entry.name in copied:
+            shutil.copyfile(entry, target / entry.name)
+        else:
+            (target / entry.name).symlink_to(entry.resolve())
+    return target
