@@ -184,7 +184,10 @@ class ChatSession:
     def render_tokens(self, history: list[Message] | None = None) -> list[int]:
         """Token ids of the conversation plus the assistant generation prompt."""
         messages = self._chat_messages(self.history if history is None else history)
-        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as error:  # the template is the model folder's Jinja code: it raises what it likes
+            raise VeloxError(_template_refusal(error, has_system=bool(self.system_prompt))) from error
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         return list(tokens)
@@ -486,6 +489,16 @@ class ChatSession:
         )
         self.last_stats = stats
         yield stats
+
+
+def _template_refusal(error: Exception, *, has_system: bool) -> str:
+    """One line for a chat template that failed: its own message (Gemma's "System role not supported"),
+    or the Jinja sandbox's refusal of an unsafe template."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    message = f"The model's chat template cannot render this conversation: {reason.rstrip('.')}."
+    if has_system and "system" in reason.lower():
+        message += " This model takes no system prompt; leave it out."
+    return message
 
 
 def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:
