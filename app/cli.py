@@ -162,7 +162,10 @@ def _print_stats(stats: Any) -> None:
     )
 
 
-def _run_turn(session: Any, question: str, show_stats: bool) -> None:
+def _run_turn(session: Any, question: str, show_stats: bool) -> str | None:
+    """Stream one reply to stdout; returns why the reply was degenerate (see engine.chat.reply_check),
+    or None for a normal (or stopped) reply."""
+    from engine.chat.reply_check import degenerate_reply
     from engine.chat.session import GenerationStats, Notice, PrefillProgress, TextChunk
 
     try:
@@ -179,10 +182,13 @@ def _run_turn(session: Any, question: str, show_stats: bool) -> None:
                     print("[stopped]", file=sys.stderr)
                 if show_stats:
                     _print_stats(event)
+                if event.finish_reason != "cancelled" and session.history:
+                    return degenerate_reply(session.history[-1].content, event.generated_tokens, session.tokenizer)
     except KeyboardInterrupt:
         # Ctrl-C while the generator was running: the session's own cleanup already ran in `finally`.
         session.cancel()
         print("\n[stopped]", file=sys.stderr)
+    return None
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -207,7 +213,10 @@ def _chat(args: argparse.Namespace) -> int:
     level_key = _level_key(cache_config)
     if args.prompt is not None:
         _check_memory(session, info, level_key, args.prompt)
-        _run_turn(session, args.prompt, args.stats)
+        degenerate = _run_turn(session, args.prompt, args.stats)
+        if degenerate:
+            print(f"error: {degenerate}", file=sys.stderr)
+            return EXIT_ERROR
         return 0
     print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
           file=sys.stderr)
@@ -238,7 +247,9 @@ def _chat(args: argparse.Namespace) -> int:
         except VeloxError as error:
             print(f"error: {error}", file=sys.stderr)
             continue
-        _run_turn(session, line, args.stats)
+        degenerate = _run_turn(session, line, args.stats)
+        if degenerate:
+            print(f"warning: {degenerate}", file=sys.stderr)
 
 
 def _models() -> int:
