@@ -1,7 +1,9 @@
 """Conversations kept across restarts: one SQLite file, `data_dir()/velox.sqlite3`, written message by message.
 
 Durability. Every call that changes something is one transaction, committed before the call returns, so
-a message is on disk as soon as it completes ("written as each message completes"). The file uses WAL
+a message is on disk as soon as it completes ("written as each message completes"). A reply is also
+written while it streams (state 'streaming', updated at most once a second by the controller), so a crash
+keeps what was shown; the next start marks such replies 'interrupted' (`mark_interrupted_replies`). The file uses WAL
 journaling (readers never block the writer, a second window or process can read while a reply is saved)
 with `synchronous=FULL`: in WAL mode NORMAL is also corruption-safe, but the last transactions before a
 power loss or OS crash may be rolled back; FULL syncs the WAL at every commit so a message the app showed as
@@ -40,8 +42,11 @@ if TYPE_CHECKING:
     from engine.chat.session import Message
 
 DATABASE_FILE_NAME = "velox.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROLES = ("system", "user", "assistant")
+# A message's life: 'complete' once written whole; a reply is 'streaming' while it is saved as it arrives,
+# and 'interrupted' when the app found it still streaming after a crash (`mark_interrupted_replies`).
+MESSAGE_STATES = ("complete", "streaming", "interrupted")
 # How long a write waits for another connection (a second window) to finish its transaction.
 BUSY_TIMEOUT_SECONDS = 10.0
 # SQLite primary result codes that mean the file is damaged or not a database at all.
@@ -95,6 +100,11 @@ class StoredMessage:
     created: float
     compression: str | None  # the KV cache setting the reply was generated with
     stats: dict[str, Any] | None  # engine.chat.session.GenerationStats as a dict
+    state: str = "complete"  # one of MESSAGE_STATES
+
+    @property
+    def interrupted(self) -> bool:
+        return self.state == "interrupted"
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -129,8 +139,16 @@ def _create_version_1(connection: sqlite3.Connection) -> None:
     connection.execute("CREATE INDEX conversations_by_update ON conversations (updated DESC, id DESC)")
 
 
+def _add_message_state(connection: sqlite3.Connection) -> None:
+    """Version 2: replies are saved while they stream, so a crash keeps what was already shown."""
+    connection.execute(
+        "ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT 'complete' "
+        "CHECK (state IN ('complete', 'streaming', 'interrupted'))"
+    )
+
+
 # MIGRATIONS[i] takes a database from schema version i to i + 1 (version 0 is an empty file).
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_create_version_1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_create_version_1, _add_message_state)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -170,6 +188,11 @@ def _stats_json(stats: Any) -> str | None:
     if not isinstance(stats, dict):
         raise TypeError(f"stats must be a GenerationStats, a dict or None, not {type(stats).__name__}.")
     return json.dumps(stats)
+
+
+def _check_state(state: str) -> None:
+    if state not in MESSAGE_STATES:
+        raise ValueError(f"A message's state must be one of {', '.join(MESSAGE_STATES)}, not {state!r}.")
 
 
 def _rollback(connection: sqlite3.Connection) -> None:
@@ -430,14 +453,18 @@ class ConversationStore:
         cancelled: bool = False,
         stats: Any = None,
         compression: str | None = None,
+        state: str = "complete",
     ) -> int:
         """Add a message at the end of the conversation, committed to disk before returning; its id.
+
+        `state='streaming'` starts a reply that `update_message` fills in as it arrives and completes.
 
         `documents`: engine.chat.documents.Document or StoredDocument objects (anything with name and text).
         `stats`: an engine.chat.session.GenerationStats, a dict, or None.
         """
         if role not in ROLES:
             raise ValueError(f"A message's role must be one of {', '.join(ROLES)}, not {role!r}.")
+        _check_state(state)
         documents_json = _documents_json(documents)
         stats_json = _stats_json(stats)
         now = time.time()
@@ -449,10 +476,10 @@ class ConversationStore:
             ).fetchone()
             cursor = connection.execute(
                 """INSERT INTO messages (conversation_id, position, role, content, documents_json, cancelled,
-                                         created, compression, stats_json)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                         created, compression, stats_json, state)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (conversation_id, position, role, content, documents_json, int(cancelled), now, compression,
-                 stats_json),
+                 stats_json, state),
             )
             connection.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
             return int(cursor.lastrowid or 0)
@@ -466,10 +493,15 @@ class ConversationStore:
         cancelled: bool = _UNSET,
         stats: Any = _UNSET,
         compression: str | None = _UNSET,
+        state: str = _UNSET,
     ) -> None:
         """Change the given fields of a message (e.g. a regenerated reply); the others stay as they are."""
         assignments: list[str] = []
         values: list[Any] = []
+        if state is not _UNSET:
+            _check_state(state)
+            assignments.append("state = ?")
+            values.append(state)
         if content is not _UNSET:
             assignments.append("content = ?")
             values.append(content)
@@ -493,6 +525,15 @@ class ConversationStore:
                 return
             connection.execute(f"UPDATE messages SET {', '.join(assignments)} WHERE id = ?", (*values, message_id))
             connection.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), row[0]))
+
+    def mark_interrupted_replies(self) -> int:
+        """Mark every reply still 'streaming' as 'interrupted' (and cancelled, so a restored session treats it
+        as a partial reply): the app that was writing it died. Called when the app starts; returns how many."""
+        with self._transaction() as connection:
+            cursor = connection.execute(
+                "UPDATE messages SET state = 'interrupted', cancelled = 1 WHERE state = 'streaming'"
+            )
+            return cursor.rowcount
 
     def delete_messages_from(self, conversation_id: int, position: int) -> int:
         """Delete the messages at `position` and after (e.g. before regenerating); how many were deleted."""
@@ -520,7 +561,7 @@ class ConversationStore:
             id=row["id"], conversation_id=row["conversation_id"], position=row["position"], role=row["role"],
             content=row["content"], documents=documents, cancelled=bool(row["cancelled"]), created=row["created"],
             compression=row["compression"],
-            stats=json.loads(row["stats_json"]) if row["stats_json"] else None,
+            stats=json.loads(row["stats_json"]) if row["stats_json"] else None, state=row["state"],
         )
 
     @staticmethod
