@@ -228,6 +228,7 @@ class ChatSession:
                 len(tokens) + self.settings.max_tokens,
                 self.context_length,
                 detail=f"(prompt {len(tokens)} tokens + room for a {self.settings.max_tokens}-token reply)",
+                advice=_overflow_advice(history, policy),
             )
         return history, tokens, notices
 
@@ -489,6 +490,24 @@ class ChatSession:
         )
         self.last_stats = stats
         yield stats
+
+
+def _overflow_advice(history: list[Message], policy: str | None) -> str:
+    """What can still make an overflowing conversation fit, given the policy already applied: never a
+    policy that cannot help (dropping older turns when the question is the only turn)."""
+    has_documents = any(message.documents for message in history)
+    options = []
+    if len(history) > 1 and policy != "drop-oldest":
+        options.append("'drop-oldest' to drop older turns")
+    if has_documents and policy != "truncate-middle":
+        options.append("'truncate-middle' to cut the middle of the document(s)")
+    shorten = "a shorter document or question" if has_documents else "a shorter question"
+    if policy == "truncate-middle" and has_documents:
+        shorten = "a shorter question, or fewer documents (the cut keeps each document's start and end)"
+    prefix = "Dropping older turns cannot help: this is the only turn left. " if policy == "drop-oldest" else ""
+    if options:
+        return f"{prefix}Use {' or '.join(options)}, or {shorten}."
+    return f"{prefix}Use {shorten}."
 
 
 def _template_refusal(error: Exception, *, has_system: bool) -> str:

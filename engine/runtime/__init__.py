@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 _fast_blas_status: Any = None
@@ -13,6 +15,7 @@ def prepare_runtime() -> None:
     On Linux the optional CPU fast path routes MLX's BLAS calls to an optimized library; it has to be
     loaded before `mlx.core`. Everywhere else, and whenever it cannot be enabled, this does nothing."""
     global _fast_blas_status
+    _quiet_library_chatter()
     if _fast_blas_status is not None:
         return
     try:
@@ -21,6 +24,14 @@ def prepare_runtime() -> None:
         _fast_blas_status = "not available"
         return
     _fast_blas_status = enable_fast_blas()
+
+
+def _quiet_library_chatter() -> None:
+    """Keep transformers' messages for developers off the user's terminal: "PyTorch was not found" at
+    import (Velox needs only its tokenizers) and "... will result in indexing errors" when a long document
+    is counted (Velox checks lengths against the context itself and says what to do)."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
 
 
 def runtime_status() -> dict[str, str]:
