@@ -29,7 +29,9 @@ for each ``cblas_X`` it exports a 6-byte ``jmp *GOT`` stub whose GOT slot the dy
 ``scipy_cblas_X`` (an ``R_X86_64_GLOB_DAT`` relocation), i.e. exactly what a compiled forwarding shim
 would contain. The shim is cached under ``data_dir()/native/`` and verified once in a subprocess
 (matmul through MLX checked against numpy) before the real process ever loads it, so a bad shim can
-only disable the fast path, never crash the app.
+only disable the fast path, never crash the app. The cached file is compared byte for byte with the
+shim generated at start before every load (and rewritten if it differs), in a 0700 folder, so a library
+someone put in its place is never loaded.
 
 OpenBLAS gets half the usable cores (1 on a 2-core machine; see :func:`default_blas_threads` for the
 measurements behind that), or ``VELOX_FAST_BLAS_THREADS`` / ``OPENBLAS_NUM_THREADS`` when set.
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.paths import data_dir
+from engine.paths import data_dir, private_dir
 
 ENV_SWITCH = "VELOX_FAST_BLAS"
 ENV_THREADS = "VELOX_FAST_BLAS_THREADS"
@@ -257,8 +259,12 @@ def _enable() -> FastBlasStatus:
         return FastBlasStatus(False, "The scipy-openblas32 package is not installed.")
 
     shim_path = _shim_cache_path(openblas_path)
-    if not shim_path.exists():
-        _write_atomically(shim_path, build_forwarding_shim(str(openblas_path), FORWARDED_CBLAS_SYMBOLS))
+    shim_bytes = build_forwarding_shim(str(openblas_path), FORWARDED_CBLAS_SYMBOLS)
+    if not _holds_exactly(shim_path, shim_bytes):
+        # Missing, or changed since we wrote it (a replaced .so would have its constructor run by the
+        # loader): only bytes generated in this process are ever loaded, and they are tested afresh.
+        shim_path.with_suffix(".verified").unlink(missing_ok=True)
+        _write_atomically(shim_path, shim_bytes)
     verified_marker = shim_path.with_suffix(".verified")
     if not verified_marker.exists():
         problem = _probe_in_subprocess(openblas_path, shim_path)
@@ -363,9 +369,16 @@ def _shim_cache_path(openblas_path: Path) -> Path:
         ]
     )
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
-    native_dir = data_dir() / "native"
-    native_dir.mkdir(parents=True, exist_ok=True)
+    native_dir = private_dir(data_dir() / "native")  # 0700: only this user can place a library here
     return native_dir / f"velox_cblas_shim-{key}.so"
+
+
+def _holds_exactly(path: Path, content: bytes) -> bool:
+    """Whether the file at `path` has exactly the bytes `content` (a few KB: read whole)."""
+    try:
+        return path.read_bytes() == content
+    except OSError:
+        return False
 
 
 def _write_atomically(path: Path, content: bytes) -> None:
