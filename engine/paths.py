@@ -53,8 +53,7 @@ def models_dir() -> Path:
 
 
 def log_dir() -> Path:
-    """Where Velox writes its log files (overridable with VELOX_LOG_DIR), created on first use."""
+    """Where Velox writes its log files (overridable with VELOX_LOG_DIR), created on first use, 0700."""
     override = os.environ.get("VELOX_LOG_DIR")
     path = Path(override) if override else Path(platformdirs.user_log_dir(APP_NAME, appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(path)  # logs name the user's documents and models: private like the data dir
