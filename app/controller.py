@@ -22,8 +22,8 @@ from app.worker import EngineThread, compression_levels, find_level, level_summa
 
 MEMORY_POLL_MS = 1000
 TITLE_LENGTH = 48
-# A streaming reply is written to the database at most this often (each write is one fsync'd transaction),
-# so a crash loses at most this much of what was shown.
+# A streaming reply is written to the database at most this often (a transaction without fsync, on the GUI
+# thread), so a crash of the app loses at most this much of what was shown.
 PARTIAL_SAVE_INTERVAL_S = 1.0
 
 
@@ -389,10 +389,10 @@ class ChatController(QObject):
                         self.store.delete_messages_from(self.conversation_id, position)
                 self._reply_message_id = self.store.append_message(
                     self.conversation_id, "assistant", self._streaming, compression=self.compression_label(),
-                    state="streaming",
+                    state="streaming", durable=False,
                 )
             elif now - self._last_partial_save >= PARTIAL_SAVE_INTERVAL_S:
-                self.store.update_message(self._reply_message_id, content=self._streaming)
+                self.store.update_message(self._reply_message_id, content=self._streaming, durable=False)
             else:
                 return
         except StoreError as error:

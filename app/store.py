@@ -328,25 +328,36 @@ class ConversationStore:
     # ----- plumbing ---------------------------------------------------------------------------------------
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed (durably) on success and rolled back on any error."""
+    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed on success and rolled back on any error.
+
+        `durable=False` commits without the fsync (synchronous=NORMAL for this one transaction): the write
+        still survives the app being killed, only an OS crash or power loss may roll it back. Used for the
+        snapshots of a streaming reply, which are written on the GUI thread once a second and must not
+        stall it waiting for the disk; the completed reply is then written durably."""
         with self._lock:
             connection = self._require_open()
+            if not durable:
+                connection.execute("PRAGMA synchronous=NORMAL")  # outside a transaction, as SQLite requires
             try:
-                # IMMEDIATE takes the write lock up front, so reading the next position and inserting
-                # cannot interleave with another connection's insert.
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as error:
-                raise StoreError(f"The conversation database {self.path} is busy or unwritable: {error}.") from error
-            try:
-                yield connection
-                connection.execute("COMMIT")
-            except sqlite3.Error as error:
-                _rollback(connection)
-                raise StoreError(f"The conversation database {self.path} could not be written: {error}.") from error
-            except BaseException:
-                _rollback(connection)
-                raise
+                try:
+                    # IMMEDIATE takes the write lock up front, so reading the next position and inserting
+                    # cannot interleave with another connection's insert.
+                    connection.execute("BEGIN IMMEDIATE")
+                except sqlite3.Error as error:
+                    raise StoreError(f"The conversation database {self.path} is busy or unwritable: {error}.") from error
+                try:
+                    yield connection
+                    connection.execute("COMMIT")
+                except sqlite3.Error as error:
+                    _rollback(connection)
+                    raise StoreError(f"The conversation database {self.path} could not be written: {error}.") from error
+                except BaseException:
+                    _rollback(connection)
+                    raise
+            finally:
+                if not durable:
+                    connection.execute("PRAGMA synchronous=FULL")
 
     def _read(self, sql: str, parameters: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -454,10 +465,12 @@ class ConversationStore:
         stats: Any = None,
         compression: str | None = None,
         state: str = "complete",
+        durable: bool = True,
     ) -> int:
         """Add a message at the end of the conversation, committed to disk before returning; its id.
 
-        `state='streaming'` starts a reply that `update_message` fills in as it arrives and completes.
+        `state='streaming'` starts a reply that `update_message` fills in as it arrives and completes;
+        `durable=False` skips the fsync (see `_transaction`), for those in-between snapshots.
 
         `documents`: engine.chat.documents.Document or StoredDocument objects (anything with name and text).
         `stats`: an engine.chat.session.GenerationStats, a dict, or None.
@@ -468,7 +481,7 @@ class ConversationStore:
         documents_json = _documents_json(documents)
         stats_json = _stats_json(stats)
         now = time.time()
-        with self._transaction() as connection:
+        with self._transaction(durable) as connection:
             self._require_conversation(connection, conversation_id)
             (position,) = connection.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?",
@@ -494,8 +507,10 @@ class ConversationStore:
         stats: Any = _UNSET,
         compression: str | None = _UNSET,
         state: str = _UNSET,
+        durable: bool = True,
     ) -> None:
-        """Change the given fields of a message (e.g. a regenerated reply); the others stay as they are."""
+        """Change the given fields of a message (e.g. a regenerated reply); the others stay as they are.
+        `durable=False`: a snapshot of a streaming reply, committed without the fsync."""
         assignments: list[str] = []
         values: list[Any] = []
         if state is not _UNSET:
@@ -517,7 +532,7 @@ class ConversationStore:
         if compression is not _UNSET:
             assignments.append("compression = ?")
             values.append(compression)
-        with self._transaction() as connection:
+        with self._transaction(durable) as connection:
             row = connection.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None:
                 raise StoreError(f"Message {message_id} does not exist (its conversation may have been deleted).")

@@ -34,7 +34,8 @@ first_text_at = []
 
 def streaming(text):
     now = time.monotonic()
-    first_text_at.append(now) if not first_text_at else None
+    if not first_text_at:
+        first_text_at.append(now)
     if now - first_text_at[0] > 2.5 and len(text) > 40:
         Path(shown_file).write_text(text)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -45,8 +46,8 @@ def finished(entry):
 
 def send_when_ready():
     if controller.model is not None and not controller.busy and controller._turn is None and not first_text_at:
-        sent = controller.send("Write a long story about a dragon who learns to read, in ten chapters.")
-        poll.stop() if sent else None
+        if controller.send("Write a long story about a dragon who learns to read, in ten chapters."):
+            poll.stop()
 
 from PySide6.QtCore import QTimer
 poll = QTimer()
