@@ -470,13 +470,14 @@ def test_too_late_after_mlx_import_is_reported_not_applied(shared_data_dir: Path
 def test_broken_cached_shim_falls_back_to_stock(tmp_path: Path) -> None:
     openblas = cpu_fastpath._find_scipy_openblas32()
     assert openblas is not None
-    # Plant garbage where the shim is cached (and no .verified marker): the self-test must reject it.
+    # A generator that writes garbage (a planted file is simply rewritten: tests/hostile/test_native_shim.py):
+    # the self-test must reject what it produced.
     script = """
     import json
     from pathlib import Path
     from engine.runtime.cpu import fastpath as cpu_fastpath
+    cpu_fastpath.build_forwarding_shim = lambda *arguments: b"not an ELF file"
     path = cpu_fastpath._shim_cache_path(cpu_fastpath._find_scipy_openblas32())
-    path.write_bytes(b"not an ELF file")
     status = cpu_fastpath.enable_fast_blas()
     import mlx.core as mx
     value = (mx.array([[1.0, 2.0]]) @ mx.array([[3.0], [4.0]])).item()
