@@ -17,9 +17,33 @@ from typing import Any
 
 from app import serve_cli  # MLX-free: its arguments and the client example only
 from app.logs import setup_logging, unexpected_error_line
+from app.settings import MAX_TEMPERATURE  # the app's range: above it sampling is noise (no MLX import)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+
+
+def _number_checker(kind: type, accepts: Any, meaning: str) -> Any:
+    """An argparse `type=` that converts with `kind` and accepts only values `accepts` allows: a bad value
+    is one usage line from argparse, not a traceback later or, worse, nonsense output."""
+
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected {meaning}") from None
+        if value != value or not accepts(value):  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is out of range; expected {meaning}")
+        return value
+
+    return check
+
+
+_positive_int = _number_checker(int, lambda value: value >= 1, "a whole number of at least 1")
+_non_negative_int = _number_checker(int, lambda value: value >= 0, "a whole number of at least 0")
+_temperature = _number_checker(float, lambda value: 0.0 <= value <= MAX_TEMPERATURE,
+                               f"a temperature from 0 to {MAX_TEMPERATURE:g}")
+_probability = _number_checker(float, lambda value: 0.0 < value <= 1.0, "a probability above 0 and at most 1")
 
 
 def _build_parser(harness: Any) -> argparse.ArgumentParser:
@@ -30,17 +54,18 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
     chat.add_argument("--model", "-m", default=None, help="model folder, 'org/name' in the HF cache, or 'default'")
     chat.add_argument("--doc", "-d", action="append", default=[], help="attach a document (txt, md, pdf, html)")
     chat.add_argument("--prompt", "-p", default=None, help="ask one question, print the answer and exit")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", "--temp", type=float, default=0.0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--max-tokens", type=_positive_int, default=512, help="longest reply, in tokens (>= 1)")
+    chat.add_argument("--temperature", "--temp", type=_temperature, default=0.0,
+                      help=f"sampling temperature, 0 (greedy) to {MAX_TEMPERATURE:g}")
+    chat.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    chat.add_argument("--seed", type=_non_negative_int, default=0)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument(
         "--overflow", choices=["error", "drop-oldest", "truncate-middle"], default="error",
         help="what to do when the conversation exceeds the context (default: stop with an error)",
     )
     chat.add_argument("--kv", default=None, help="KV cache compression method (see `velox methods`)")
-    chat.add_argument("--kv-bits", type=int, default=None, help="bits per value for the compressed KV cache")
+    chat.add_argument("--kv-bits", type=_positive_int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
 
     sub.add_parser("models", help="list available models")

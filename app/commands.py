@@ -15,10 +15,12 @@ import engine
 from app import serve_cli
 from app.logs import log_path
 from engine.chat.documents import load_document
+from engine.chat.reply_check import degenerate_reply
 from engine.chat.session import (
     ChatSession,
     GenerationSettings,
     GenerationStats,
+    Message,
     Notice,
     PrefillProgress,
     TextChunk,
@@ -26,8 +28,8 @@ from engine.chat.session import (
 from engine.errors import VeloxError
 from engine.kvcache import KVCacheConfig, describe_methods
 from engine.models.catalog import list_models, load_model, resolve_model
-from engine.planning.memory import snapshot
-from engine.planning.recommend import LEVELS
+from engine.planning.memory import snapshot, system_memory
+from engine.planning.recommend import LEVELS, check_fits
 from engine.planning.units import format_bytes
 from engine.runtime.status import runtime_status
 
@@ -65,7 +67,31 @@ def _print_stats(stats: Any) -> None:
     )
 
 
-def _run_turn(session: Any, question: str, show_stats: bool) -> None:
+def _level_key(cache_config: Any) -> str:
+    """The app's compression level whose memory estimate covers `cache_config`: the level itself, else the
+    level with as many key bits, else the 16-bit level (an upper bound for every quantized method)."""
+    if cache_config is None:
+        return LEVELS[0].key
+    for level in LEVELS:
+        if level.to_config() == cache_config:
+            return level.key
+    same_bits = [level.key for level in LEVELS if level.key_bits == getattr(cache_config, "key_bits", None)]
+    return same_bits[0] if same_bits else LEVELS[0].key
+
+
+def _check_memory(session: Any, info: Any, level_key: str, question: str) -> None:
+    """Refuse a turn whose KV cache would not fit in the memory this process may use (cgroup limits
+    included), before any token is read: MemoryBudgetError with the engine's explanation. The app does
+    the same check before it reads a document (app/worker.py)."""
+    draft = [*session.history, Message("user", question, list(session.pending_documents))]
+    n_tokens = min(len(session.render_tokens(draft)) + session.settings.max_tokens, session.context_length)
+    held = session.kv_cache_bytes()  # already allocated: out of "available", but ours to reuse
+    check_fits(info, n_tokens, level_key, system_memory()["available"] + held, weights_bytes=0)
+
+
+def _run_turn(session: Any, question: str, show_stats: bool) -> str | None:
+    """Stream one reply to stdout; returns why the reply was degenerate (see engine.chat.reply_check),
+    or None for a normal (or stopped) reply."""
     try:
         for event in session.send(question):
             if isinstance(event, TextChunk):
@@ -80,10 +106,13 @@ def _run_turn(session: Any, question: str, show_stats: bool) -> None:
                     print("[stopped]", file=sys.stderr)
                 if show_stats:
                     _print_stats(event)
+                if event.finish_reason != "cancelled" and session.history:
+                    return degenerate_reply(session.history[-1].content, event.generated_tokens, session.tokenizer)
     except KeyboardInterrupt:
         # Ctrl-C while the generator was running: the session's own cleanup already ran in `finally`.
         session.cancel()
         print("\n[stopped]", file=sys.stderr)
+    return None
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -101,8 +130,13 @@ def _chat(args: argparse.Namespace) -> int:
         session.set_compression(cache_config)
     for document in documents:
         session.attach_document(document)
+    level_key = _level_key(cache_config)
     if args.prompt is not None:
-        _run_turn(session, args.prompt, args.stats)
+        _check_memory(session, info, level_key, args.prompt)
+        degenerate = _run_turn(session, args.prompt, args.stats)
+        if degenerate:
+            print(f"error: {degenerate}", file=sys.stderr)
+            return EXIT_ERROR
         return 0
     print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
           file=sys.stderr)
@@ -124,7 +158,14 @@ def _chat(args: argparse.Namespace) -> int:
             except VeloxError as error:
                 print(f"error: {error}", file=sys.stderr)
             continue
-        _run_turn(session, line, args.stats)
+        try:
+            _check_memory(session, info, level_key, line)
+        except VeloxError as error:
+            print(f"error: {error}", file=sys.stderr)
+            continue
+        degenerate = _run_turn(session, line, args.stats)
+        if degenerate:
+            print(f"warning: {degenerate}", file=sys.stderr)
 
 
 def _models() -> int:
@@ -143,7 +184,8 @@ def _info() -> int:
     for key, value in runtime_status().items():
         print(f"{key}: {value}")
     print(f"memory: {format_bytes(snap.system_available)} available of {format_bytes(snap.system_total)} "
-          f"({snap.pressure}); this process {format_bytes(snap.process_rss)}")
+          f"({snap.pressure}, limited by {system_memory()['limited_by']}); "
+          f"this process {format_bytes(snap.process_rss)}")
     print(f"MLX memory: active {format_bytes(snap.mlx_active)}, peak {format_bytes(snap.mlx_peak)}, "
           f"cache {format_bytes(snap.mlx_cache)}")
     print(f"log file: {log_path()}")

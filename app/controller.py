@@ -25,6 +25,9 @@ from engine.planning.units import format_bytes
 
 MEMORY_POLL_MS = 1000
 TITLE_LENGTH = 48
+# A streaming reply is written to the database at most this often (a transaction without fsync, on the GUI
+# thread), so a crash of the app loses at most this much of what was shown.
+PARTIAL_SAVE_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -39,8 +42,11 @@ class ChatEntry:
     stats: dict[str, Any] | None = None
 
 
-def reply_caption(stats: dict[str, Any] | None, cancelled: bool = False) -> str:
-    """'42 tokens · 31.5 tok/s · first token 0.42 s' (and '· stopped' when the user stopped it)."""
+def reply_caption(stats: dict[str, Any] | None, cancelled: bool = False, interrupted: bool = False) -> str:
+    """'42 tokens · 31.5 tok/s · first token 0.42 s' (and '· stopped' when the user stopped it);
+    'interrupted' for a reply cut off by a crash (saved while it streamed, never finished)."""
+    if interrupted:
+        return "interrupted"
     if not stats:
         return "stopped" if cancelled else ""
     parts = [f"{stats['generated_tokens']} tokens"]
@@ -118,6 +124,8 @@ class ChatController(QObject):
         self._pending_document_objects: list[Any] = []  # engine Documents attached to the next question
         self._streaming = ""
         self._turn: dict[str, Any] | None = None  # the turn in flight: text, regenerate, saved flag, old entry
+        self._reply_message_id: int | None = None  # the streaming reply's row, once its first text is saved
+        self._last_partial_save = 0.0
         self._shut_down = False
         self._connect_worker()
         self._memory_timer = QTimer(self)
@@ -152,6 +160,13 @@ class ChatController(QObject):
     # ----- life cycle ---------------------------------------------------------------------------------------
     def start(self, model: str | None = None, loaded: tuple[Any, Any, Any] | None = None) -> None:
         """Load the model (or adopt an already loaded one), reopen the last conversation, start polling."""
+        try:
+            # Replies still 'streaming' belong to an app that died mid-reply: their text is kept, marked.
+            if self.store.mark_interrupted_replies():
+                self.noticeRaised.emit("Velox stopped during a reply last time; what it had written is kept, "
+                                       "marked as interrupted.")
+        except StoreError as error:
+            self.errorRaised.emit(str(error))
         self.refresh_conversations()
         conversations = self.store.list_conversations()
         if conversations:
@@ -264,7 +279,8 @@ class ChatController(QObject):
         self.conversation_id = meta.id
         self.entries = [
             ChatEntry(m.role, m.content, [d.name for d in m.documents],
-                      reply_caption(m.stats, m.cancelled) if m.role == "assistant" else "", m.cancelled, m.stats)
+                      reply_caption(m.stats, m.cancelled, m.interrupted) if m.role == "assistant" else "",
+                      m.cancelled, m.stats)
             for m in messages if m.role != "system"
         ]
         self.pending_documents = []
@@ -355,7 +371,36 @@ class ChatController(QObject):
         self._streaming += text
         if self.entries and self.entries[-1].role == "assistant":
             self.entries[-1].text = self._streaming
+        self._save_partial_reply()
         self.replyStreaming.emit(self._streaming)
+
+    def _save_partial_reply(self) -> None:
+        """Write the reply so far: the row is created with the first text, then updated at most every
+        PARTIAL_SAVE_INTERVAL_S; `_on_turn_finished` completes it. A regenerated reply replaces the old
+        one in the database as soon as its first text exists."""
+        turn = self._turn
+        if turn is None or self.conversation_id is None or turn.get("partial_save_failed"):
+            return
+        now = time.monotonic()
+        try:
+            if self._reply_message_id is None:
+                if turn["regenerate"]:
+                    position = self._last_assistant_position()
+                    if position is not None:
+                        self.store.delete_messages_from(self.conversation_id, position)
+                self._reply_message_id = self.store.append_message(
+                    self.conversation_id, "assistant", self._streaming, compression=self.compression_label(),
+                    state="streaming", durable=False,
+                )
+            elif now - self._last_partial_save >= PARTIAL_SAVE_INTERVAL_S:
+                self.store.update_message(self._reply_message_id, content=self._streaming, durable=False)
+            else:
+                return
+        except StoreError as error:
+            turn["partial_save_failed"] = True  # one message per reply, not one per token
+            self.errorRaised.emit(f"The reply could not be saved as it streams: {error}")
+            return
+        self._last_partial_save = now
 
     def _save_user_message(self) -> None:
         """The question is written once the engine has accepted it (it fits the context)."""
@@ -393,8 +438,12 @@ class ChatController(QObject):
         if stats:
             self.last_stats = stats
             self.statsChanged.emit(stats)
+        reply_id, self._reply_message_id = self._reply_message_id, None
         try:
-            if self.conversation_id is not None:
+            if reply_id is not None:  # saved while streaming: complete that row
+                self.store.update_message(reply_id, content=entry.text, cancelled=cancelled, stats=stats,
+                                          compression=self.compression_label(), state="complete")
+            elif self.conversation_id is not None:
                 if turn.get("regenerate"):
                     position = self._last_assistant_position()
                     if position is not None:
@@ -416,12 +465,30 @@ class ChatController(QObject):
         turn, self._turn = self._turn, None
         if turn is None:
             return None
+        self._forget_partial_reply(turn)
         self._remove_last_entry()  # the reply placeholder
         if turn["regenerate"]:
             self._add_entry(turn["old"])  # the reply that was to be replaced comes back
         elif not turn["user_saved"]:
             self._remove_last_entry()  # the question, never accepted
         return turn
+
+    def _forget_partial_reply(self, turn: dict[str, Any]) -> None:
+        """A turn that failed after its first text was saved: the database goes back to what the view shows
+        again (no partial reply; a regenerated reply's predecessor restored)."""
+        reply_id, self._reply_message_id = self._reply_message_id, None
+        if reply_id is None or self.conversation_id is None:
+            return
+        try:
+            position = self._last_assistant_position()
+            if position is not None:
+                self.store.delete_messages_from(self.conversation_id, position)
+            old = turn.get("old")
+            if turn["regenerate"] and old is not None:
+                self.store.append_message(self.conversation_id, "assistant", old.text, cancelled=old.cancelled,
+                                          stats=old.stats, compression=self.compression_label())
+        except StoreError as error:
+            self.errorRaised.emit(f"The conversation could not be updated: {error}")
 
     def _on_turn_failed(self, message: str) -> None:
         self._undo_turn_entries()

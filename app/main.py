@@ -120,8 +120,8 @@ def build_app(model: str | None = None, *, store_path: str | Path | None = None,
     tray = None
     if tray_available:
         tray = TrayIcon(controller, window)
-    if store.notice:
-        window.banner.show_message(store.notice, "notice")
+    if store.notice:  # the damaged database was moved aside: stays until the user closes it
+        window.banner.show_message(store.notice, "notice", sticky=True)
     _add_local_server(controller, window, tray)
     controller.start(model=model, loaded=loaded)
     return controller, window, tray

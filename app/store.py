@@ -1,7 +1,9 @@
 """Conversations kept across restarts: one SQLite file, `data_dir()/velox.sqlite3`, written message by message.
 
 Durability. Every call that changes something is one transaction, committed before the call returns, so
-a message is on disk as soon as it completes ("written as each message completes"). The file uses WAL
+a message is on disk as soon as it completes ("written as each message completes"). A reply is also
+written while it streams (state 'streaming', updated at most once a second by the controller), so a crash
+keeps what was shown; the next start marks such replies 'interrupted' (`mark_interrupted_replies`). The file uses WAL
 journaling (readers never block the writer, a second window or process can read while a reply is saved)
 with `synchronous=FULL`: in WAL mode NORMAL is also corruption-safe, but the last transactions before a
 power loss or OS crash may be rolled back; FULL syncs the WAL at every commit so a message the app showed as
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -35,11 +38,14 @@ from typing import Any
 from engine.chat.documents import Document
 from engine.chat.session import Message
 from engine.errors import VeloxError
-from engine.paths import data_dir
+from engine.paths import PRIVATE_FILE_MODE, data_dir, make_private_file, private_dir
 
 DATABASE_FILE_NAME = "velox.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROLES = ("system", "user", "assistant")
+# A message's life: 'complete' once written whole; a reply is 'streaming' while it is saved as it arrives,
+# and 'interrupted' when the app found it still streaming after a crash (`mark_interrupted_replies`).
+MESSAGE_STATES = ("complete", "streaming", "interrupted")
 # How long a write waits for another connection (a second window) to finish its transaction.
 BUSY_TIMEOUT_SECONDS = 10.0
 # SQLite primary result codes that mean the file is damaged or not a database at all.
@@ -93,6 +99,11 @@ class StoredMessage:
     created: float
     compression: str | None  # the KV cache setting the reply was generated with
     stats: dict[str, Any] | None  # engine.chat.session.GenerationStats as a dict
+    state: str = "complete"  # one of MESSAGE_STATES
+
+    @property
+    def interrupted(self) -> bool:
+        return self.state == "interrupted"
 
 
 # ------------------------------------------------------------------------------------------------ schema
@@ -127,8 +138,16 @@ def _create_version_1(connection: sqlite3.Connection) -> None:
     connection.execute("CREATE INDEX conversations_by_update ON conversations (updated DESC, id DESC)")
 
 
+def _add_message_state(connection: sqlite3.Connection) -> None:
+    """Version 2: replies are saved while they stream, so a crash keeps what was already shown."""
+    connection.execute(
+        "ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT 'complete' "
+        "CHECK (state IN ('complete', 'streaming', 'interrupted'))"
+    )
+
+
 # MIGRATIONS[i] takes a database from schema version i to i + 1 (version 0 is an empty file).
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_create_version_1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_create_version_1, _add_message_state)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
@@ -170,6 +189,11 @@ def _stats_json(stats: Any) -> str | None:
     return json.dumps(stats)
 
 
+def _check_state(state: str) -> None:
+    if state not in MESSAGE_STATES:
+        raise ValueError(f"A message's state must be one of {', '.join(MESSAGE_STATES)}, not {state!r}.")
+
+
 def _rollback(connection: sqlite3.Connection) -> None:
     # After some failures (an I/O error during COMMIT) SQLite has already rolled back by itself.
     if connection.in_transaction:
@@ -195,7 +219,7 @@ class ConversationStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_private()
             connection = sqlite3.connect(
                 self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
             )
@@ -203,6 +227,20 @@ class ConversationStore:
             raise StoreError(f"The conversation database {self.path} cannot be opened: {error}.") from error
         connection.row_factory = sqlite3.Row
         return connection
+
+    def _make_private(self) -> None:
+        """Conversations hold whole documents: the folder is 0700 and the database and its WAL files 0600,
+        for a new file and for one an older Velox left readable by others. SQLite gives the -wal and -shm
+        files it creates later the database file's mode, so creating that file 0600 covers them too."""
+        private_dir(self.path.parent)
+        try:
+            descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE_MODE)
+        except FileExistsError:
+            pass
+        else:
+            os.close(descriptor)  # an empty file is a valid, empty SQLite database
+        for path in (self.path, *(self.path.with_name(self.path.name + suffix) for suffix in _SIDECAR_SUFFIXES)):
+            make_private_file(path)
 
     def _prepare(self, connection: sqlite3.Connection) -> None:
         """Configure the connection, check the file and bring its schema up to date."""
@@ -289,25 +327,36 @@ class ConversationStore:
     # ----- plumbing ---------------------------------------------------------------------------------------
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed (durably) on success and rolled back on any error."""
+    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed on success and rolled back on any error.
+
+        `durable=False` commits without the fsync (synchronous=NORMAL for this one transaction): the write
+        still survives the app being killed, only an OS crash or power loss may roll it back. Used for the
+        snapshots of a streaming reply, which are written on the GUI thread once a second and must not
+        stall it waiting for the disk; the completed reply is then written durably."""
         with self._lock:
             connection = self._require_open()
+            if not durable:
+                connection.execute("PRAGMA synchronous=NORMAL")  # outside a transaction, as SQLite requires
             try:
-                # IMMEDIATE takes the write lock up front, so reading the next position and inserting
-                # cannot interleave with another connection's insert.
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as error:
-                raise StoreError(f"The conversation database {self.path} is busy or unwritable: {error}.") from error
-            try:
-                yield connection
-                connection.execute("COMMIT")
-            except sqlite3.Error as error:
-                _rollback(connection)
-                raise StoreError(f"The conversation database {self.path} could not be written: {error}.") from error
-            except BaseException:
-                _rollback(connection)
-                raise
+                try:
+                    # IMMEDIATE takes the write lock up front, so reading the next position and inserting
+                    # cannot interleave with another connection's insert.
+                    connection.execute("BEGIN IMMEDIATE")
+                except sqlite3.Error as error:
+                    raise StoreError(f"The conversation database {self.path} is busy or unwritable: {error}.") from error
+                try:
+                    yield connection
+                    connection.execute("COMMIT")
+                except sqlite3.Error as error:
+                    _rollback(connection)
+                    raise StoreError(f"The conversation database {self.path} could not be written: {error}.") from error
+                except BaseException:
+                    _rollback(connection)
+                    raise
+            finally:
+                if not durable:
+                    connection.execute("PRAGMA synchronous=FULL")
 
     def _read(self, sql: str, parameters: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -414,18 +463,24 @@ class ConversationStore:
         cancelled: bool = False,
         stats: Any = None,
         compression: str | None = None,
+        state: str = "complete",
+        durable: bool = True,
     ) -> int:
         """Add a message at the end of the conversation, committed to disk before returning; its id.
+
+        `state='streaming'` starts a reply that `update_message` fills in as it arrives and completes;
+        `durable=False` skips the fsync (see `_transaction`), for those in-between snapshots.
 
         `documents`: engine.chat.documents.Document or StoredDocument objects (anything with name and text).
         `stats`: an engine.chat.session.GenerationStats, a dict, or None.
         """
         if role not in ROLES:
             raise ValueError(f"A message's role must be one of {', '.join(ROLES)}, not {role!r}.")
+        _check_state(state)
         documents_json = _documents_json(documents)
         stats_json = _stats_json(stats)
         now = time.time()
-        with self._transaction() as connection:
+        with self._transaction(durable) as connection:
             self._require_conversation(connection, conversation_id)
             (position,) = connection.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?",
@@ -433,10 +488,10 @@ class ConversationStore:
             ).fetchone()
             cursor = connection.execute(
                 """INSERT INTO messages (conversation_id, position, role, content, documents_json, cancelled,
-                                         created, compression, stats_json)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                                         created, compression, stats_json, state)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (conversation_id, position, role, content, documents_json, int(cancelled), now, compression,
-                 stats_json),
+                 stats_json, state),
             )
             connection.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
             return int(cursor.lastrowid or 0)
@@ -450,10 +505,17 @@ class ConversationStore:
         cancelled: bool = _UNSET,
         stats: Any = _UNSET,
         compression: str | None = _UNSET,
+        state: str = _UNSET,
+        durable: bool = True,
     ) -> None:
-        """Change the given fields of a message (e.g. a regenerated reply); the others stay as they are."""
+        """Change the given fields of a message (e.g. a regenerated reply); the others stay as they are.
+        `durable=False`: a snapshot of a streaming reply, committed without the fsync."""
         assignments: list[str] = []
         values: list[Any] = []
+        if state is not _UNSET:
+            _check_state(state)
+            assignments.append("state = ?")
+            values.append(state)
         if content is not _UNSET:
             assignments.append("content = ?")
             values.append(content)
@@ -469,7 +531,7 @@ class ConversationStore:
         if compression is not _UNSET:
             assignments.append("compression = ?")
             values.append(compression)
-        with self._transaction() as connection:
+        with self._transaction(durable) as connection:
             row = connection.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
             if row is None:
                 raise StoreError(f"Message {message_id} does not exist (its conversation may have been deleted).")
@@ -477,6 +539,15 @@ class ConversationStore:
                 return
             connection.execute(f"UPDATE messages SET {', '.join(assignments)} WHERE id = ?", (*values, message_id))
             connection.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), row[0]))
+
+    def mark_interrupted_replies(self) -> int:
+        """Mark every reply still 'streaming' as 'interrupted' (and cancelled, so a restored session treats it
+        as a partial reply): the app that was writing it died. Called when the app starts; returns how many."""
+        with self._transaction() as connection:
+            cursor = connection.execute(
+                "UPDATE messages SET state = 'interrupted', cancelled = 1 WHERE state = 'streaming'"
+            )
+            return cursor.rowcount
 
     def delete_messages_from(self, conversation_id: int, position: int) -> int:
         """Delete the messages at `position` and after (e.g. before regenerating); how many were deleted."""
@@ -504,7 +575,7 @@ class ConversationStore:
             id=row["id"], conversation_id=row["conversation_id"], position=row["position"], role=row["role"],
             content=row["content"], documents=documents, cancelled=bool(row["cancelled"]), created=row["created"],
             compression=row["compression"],
-            stats=json.loads(row["stats_json"]) if row["stats_json"] else None,
+            stats=json.loads(row["stats_json"]) if row["stats_json"] else None, state=row["state"],
         )
 
     @staticmethod

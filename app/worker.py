@@ -24,6 +24,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.chat.documents import count_tokens, load_document
+from engine.chat.reply_check import degenerate_reply
 from engine.chat.session import (
     ChatSession,
     GenerationSettings,
@@ -332,6 +333,10 @@ class EngineWorker(QObject):
             if stats.decode_tokens_per_second > 0:
                 self.throughput.emit("decode", float(stats.decode_tokens_per_second))
         last = session.history[-1] if session.history else None
+        if stats is not None and stats.finish_reason != "cancelled" and last is not None:
+            degenerate = degenerate_reply(last.content, stats.generated_tokens, session.tokenizer)
+            if degenerate:
+                self.notice.emit(degenerate)
         self.turnFinished.emit({
             "text": last.content if last is not None and last.role == "assistant" else reply,
             "cancelled": bool(stats is None or stats.finish_reason == "cancelled"),

@@ -22,14 +22,17 @@ class DocumentError(VeloxError):
 class ContextOverflowError(VeloxError):
     """The conversation does not fit in the model's context window."""
 
-    def __init__(self, needed_tokens: int, limit_tokens: int, detail: str = "") -> None:
+    DEFAULT_ADVICE = (
+        "Choose an overflow policy ('drop-oldest' turns or 'truncate-middle' of the document), or shorten the input."
+    )
+
+    def __init__(self, needed_tokens: int, limit_tokens: int, detail: str = "", advice: str | None = None) -> None:
         self.needed_tokens = needed_tokens
         self.limit_tokens = limit_tokens
         self.overflow_tokens = needed_tokens - limit_tokens
         message = (
             f"The conversation needs {needed_tokens} tokens but the model's context holds {limit_tokens}: "
-            f"it overflows by {self.overflow_tokens} tokens. Choose an overflow policy "
-            "('drop-oldest' turns or 'truncate-middle' of the document), or shorten the input."
+            f"it overflows by {self.overflow_tokens} tokens. {advice or self.DEFAULT_ADVICE}"
         )
         if detail:
             message += f" {detail}"

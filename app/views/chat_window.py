@@ -6,6 +6,7 @@ plain data through the controller's signals, so it never waits on the model.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -458,8 +459,9 @@ class ChatWindow(QMainWindow):
         box.setIcon(QMessageBox.Icon.Warning)
         box.setWindowTitle("The conversation is too long")
         box.setText("This message does not fit in the model's context.")
-        box.setInformativeText(info["message"].split(" Choose an overflow policy")[0]
-                               + "\n\nHow should Velox make it fit?")
+        # The engine's sentence up to "it overflows by N tokens."; the buttons below replace its advice.
+        facts = re.match(r".*?overflows by \d+ tokens\.", info["message"])
+        box.setInformativeText((facts.group(0) if facts else info["message"]) + "\n\nHow should Velox make it fit?")
         drop = box.addButton("Drop the oldest turns", QMessageBox.ButtonRole.AcceptRole)
         truncate = None
         if info.get("has_documents"):

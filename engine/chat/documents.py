@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
+import time
+import warnings
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -20,6 +23,11 @@ SUPPORTED_EXTENSIONS: dict[str, str] = {
     ".html": "html",
     ".htm": "html",
 }
+
+# PDF extraction limits: a dense page of small print holds ~10,000 characters, so 200,000 on one page is
+# never a real page; a 1,000-page book extracts in well under a minute with pypdf on one slow core.
+MAX_PAGE_CHARS = 200_000
+MAX_EXTRACTION_SECONDS = 120.0
 
 # Control characters that never appear in real text; tab, newline, carriage return and form feed do.
 _CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f]")
@@ -56,12 +64,23 @@ class Document:
 
 
 def load_document(
-    path: str | Path, *, max_bytes: int = 50 * 1024 * 1024, max_chars: int = 5_000_000
+    path: str | Path,
+    *,
+    max_bytes: int = 50 * 1024 * 1024,
+    max_chars: int = 5_000_000,
+    max_page_chars: int = MAX_PAGE_CHARS,
+    max_seconds: float = MAX_EXTRACTION_SECONDS,
 ) -> Document:
-    """Read `path` as plain text with normalised whitespace; raise DocumentError saying why if it can't."""
+    """Read `path` as plain text with normalised whitespace; raise DocumentError saying why if it can't.
+
+    PDF text is extracted under the limits (`max_chars` in all, `max_page_chars` per page, `max_seconds`
+    of work), checked as the text comes out, so a small file that expands to gigabytes of text is refused
+    as soon as it crosses one, not after all of it was extracted."""
     path = Path(path).expanduser()
     name = path.name
     if not path.exists():
+        if path.is_symlink():
+            raise DocumentError(f"{path} is a symbolic link that leads nowhere (a missing target or a loop).")
         raise DocumentError(f"The file {path} does not exist.")
     if path.is_dir():
         raise DocumentError(f"{path} is a folder, not a document file.")
@@ -81,7 +100,7 @@ def load_document(
     raw = path.read_bytes()
 
     if kind == "pdf":
-        text = _pdf_text(raw, name)
+        text = _pdf_text(raw, name, _ExtractionLimits(name, max_chars, max_page_chars, max_seconds))
     else:
         text = _decode_text(raw, name)
         if kind == "html":
@@ -177,17 +196,72 @@ def _control_fraction(text: str) -> float:
     return len(_CONTROL_CHARACTERS.findall(text)) / max(len(text), 1)
 
 
-def _pdf_text(raw: bytes, name: str) -> str:
-    """Text of every page of a PDF, pages separated by a blank line."""
+class _ExtractionLimits:
+    """Counts PDF text as pypdf produces it (its `visitor_text` callback sees every piece) and stops the
+    extraction, by raising DocumentError from inside it, once a limit is crossed.
+
+    Why inside: one page's content stream can hold megabytes of text, and 200 pages may share one stream
+    (a 32 KB file that extracts to 200 MB of text); checking only between pages would still pay for the
+    first page, checking only at the end pays for all of them."""
+
+    def __init__(self, name: str, max_chars: int, max_page_chars: int, max_seconds: float) -> None:
+        self.name = name
+        self.max_chars = max_chars
+        self.max_page_chars = max_page_chars
+        self.max_seconds = max_seconds
+        self.deadline = time.monotonic() + max_seconds
+        self.total_chars = 0
+        self.page_chars = 0
+        self.page_number = 0
+        self.page_count = 0
+
+    def start_page(self, number: int, count: int) -> None:
+        self.page_number, self.page_count, self.page_chars = number, count, 0
+        self._check_time()
+
+    def visit(self, text: str, *_layout: Any) -> None:
+        self.page_chars += len(text)
+        self.total_chars += len(text)
+        where = f"page {self.page_number} of {self.page_count}"
+        if self.page_chars > self.max_page_chars:
+            raise DocumentError(
+                f"{self.name} has more than {self.max_page_chars:,} characters of text on {where}, which no "
+                "real page holds; it was not read further."
+            )
+        if self.total_chars > self.max_chars:
+            raise DocumentError(
+                f"{self.name} has more than the limit of {self.max_chars:,} characters of text (reached at "
+                f"{where}); it was not read further."
+            )
+        self._check_time()
+
+    def _check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise DocumentError(
+                f"Extracting the text of {self.name} took longer than {self.max_seconds:g} s (stopped at page "
+                f"{self.page_number} of {self.page_count}); the PDF is too large or too complex."
+            )
+
+
+def _pdf_text(raw: bytes, name: str, limits: _ExtractionLimits) -> str:
+    """Text of every page of a PDF, pages separated by a blank line, extracted within `limits`."""
     # Imported here so that loading text files does not pay for pypdf's import.
     from pypdf import PdfReader
     from pypdf.errors import DependencyError
 
+    _quiet_pypdf_logger()
     try:
-        reader = PdfReader(io.BytesIO(raw))
-        if reader.is_encrypted and reader.decrypt("") == 0:  # PasswordType.NOT_DECRYPTED
-            raise DocumentError(f"{name} is password-protected; remove the password and load it again.")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        with warnings.catch_warnings():
+            # pypdf reports recoverable damage as warnings; the user gets the text or one clear error.
+            warnings.simplefilter("ignore")
+            reader = PdfReader(io.BytesIO(raw))
+            if reader.is_encrypted and reader.decrypt("") == 0:  # PasswordType.NOT_DECRYPTED
+                raise DocumentError(f"{name} is password-protected; remove the password and load it again.")
+            pages = []
+            count = len(reader.pages)
+            for number, page in enumerate(reader.pages, start=1):
+                limits.start_page(number, count)
+                pages.append(page.extract_text(visitor_text=limits.visit) or "")
     except DocumentError:
         raise
     except DependencyError as error:
@@ -199,6 +273,12 @@ def _pdf_text(raw: bytes, name: str) -> str:
             f"{name} could not be read as a PDF (the file is damaged or not a PDF)."
         ) from error
     return "\n\n".join(pages)
+
+
+def _quiet_pypdf_logger() -> None:
+    """pypdf logs every recoverable oddity of a file ("Ignoring wrong pointing object ...") at WARNING,
+    which Python prints on the user's terminal; Velox reports what matters as one DocumentError."""
+    logging.getLogger("pypdf").setLevel(logging.ERROR)
 
 
 class _HTMLTextExtractor(HTMLParser):

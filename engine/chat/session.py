@@ -183,7 +183,10 @@ class ChatSession:
     def render_tokens(self, history: list[Message] | None = None) -> list[int]:
         """Token ids of the conversation plus the assistant generation prompt."""
         messages = self._chat_messages(self.history if history is None else history)
-        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as error:  # the template is the model folder's Jinja code: it raises what it likes
+            raise VeloxError(_template_refusal(error, has_system=bool(self.system_prompt))) from error
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         return list(tokens)
@@ -224,6 +227,7 @@ class ChatSession:
                 len(tokens) + self.settings.max_tokens,
                 self.context_length,
                 detail=f"(prompt {len(tokens)} tokens + room for a {self.settings.max_tokens}-token reply)",
+                advice=_overflow_advice(history, policy),
             )
         return history, tokens, notices
 
@@ -481,6 +485,34 @@ class ChatSession:
         )
         self.last_stats = stats
         yield stats
+
+
+def _overflow_advice(history: list[Message], policy: str | None) -> str:
+    """What can still make an overflowing conversation fit, given the policy already applied: never a
+    policy that cannot help (dropping older turns when the question is the only turn)."""
+    has_documents = any(message.documents for message in history)
+    options = []
+    if len(history) > 1 and policy != "drop-oldest":
+        options.append("'drop-oldest' to drop older turns")
+    if has_documents and policy != "truncate-middle":
+        options.append("'truncate-middle' to cut the middle of the document(s)")
+    shorten = "a shorter document or question" if has_documents else "a shorter question"
+    if policy == "truncate-middle" and has_documents:
+        shorten = "a shorter question, or fewer documents (the cut keeps each document's start and end)"
+    prefix = "Dropping older turns cannot help: this is the only turn left. " if policy == "drop-oldest" else ""
+    if options:
+        return f"{prefix}Use {' or '.join(options)}, or {shorten}."
+    return f"{prefix}Use {shorten}."
+
+
+def _template_refusal(error: Exception, *, has_system: bool) -> str:
+    """One line for a chat template that failed: its own message (Gemma's "System role not supported"),
+    or the Jinja sandbox's refusal of an unsafe template."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    message = f"The model's chat template cannot render this conversation: {reason.rstrip('.')}."
+    if has_system and "system" in reason.lower():
+        message += " This model takes no system prompt; leave it out."
+    return message
 
 
 def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:

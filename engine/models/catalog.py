@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from engine.errors import ModelError
 from engine.models.default_model import (
@@ -342,6 +343,55 @@ def _dtype_name(config: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> s
     return _SAFETENSORS_DTYPE_NAMES[counts.most_common(1)[0][0]] if counts else "unknown"
 
 
+def _tokenizer_auto_map_entry(folder: Path, config: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(where, class reference) when the folder asks transformers to build its tokenizer from code it ships
+    (an `auto_map` with an AutoTokenizer entry in tokenizer_config.json or config.json); else None."""
+    sources: list[tuple[str, Any]] = [("config.json", config.get("auto_map"))]
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        tokenizer_config = None
+    if isinstance(tokenizer_config, dict):
+        sources.insert(0, ("tokenizer_config.json", tokenizer_config.get("auto_map")))
+    for where, auto_map in sources:
+        entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+        # transformers accepts a [slow, fast] pair, a bare string, or even a bare list as the auto_map.
+        if entry is None and isinstance(auto_map, list | tuple):
+            entry = auto_map
+        references = [item for item in (entry if isinstance(entry, list | tuple) else [entry]) if item]
+        if references:
+            declared = tokenizer_config.get("tokenizer_class") if isinstance(tokenizer_config, dict) else None
+            return where, declared if isinstance(declared, str) else None
+    return None
+
+
+def _is_builtin_tokenizer_class(name: str | None) -> bool:
+    """Whether transformers itself implements the tokenizer class `name` (then an auto_map is ignored)."""
+    if not name or not _MODEL_TYPE_PATTERN.match(name):
+        return False
+    for candidate in (name, name.removesuffix("Fast"), name + "Fast"):
+        found = tokenizer_class_from_name(candidate)
+        if found is not None and found.__module__.startswith("transformers."):
+            return True
+    return False
+
+
+def _check_no_custom_code(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse a folder whose tokenizer is Python code it ships: transformers would ask "run the custom
+    code? [y/N]" and, on y, import the folder's .py file. Velox never runs code from a model folder (the
+    loader also passes trust_remote_code=False, so nothing is ever asked)."""
+    found = _tokenizer_auto_map_entry(folder, config)
+    if found is None:
+        return
+    where, declared_class = found
+    if _is_builtin_tokenizer_class(declared_class):
+        return  # transformers uses its own class and ignores the folder's code
+    raise ModelError(
+        f"The model in {folder} needs its own Python code to build its tokenizer (auto_map in {where}); "
+        "Velox does not execute code shipped with models."
+    )
+
+
 def _check_tokenizer(folder: Path) -> None:
     if any((folder / name).is_file() for name in _TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
         return
@@ -385,6 +435,7 @@ def inspect_model_folder(path: str | Path, *, name: str | None = None, source: s
     if not tensors:
         raise ModelError(f"The weight files in {folder} hold no tensors.")
     _check_tokenizer(folder)
+    _check_no_custom_code(folder, config)
 
     quantization = _quantization_settings(config)
     parameters, bits_used, default_bits = _count_parameters(tensors, quantization)
@@ -621,7 +672,8 @@ def load_model(
     assert info.path is not None  # inspect_model_folder always sets it
     report(f"Loading {info.name}", 0.1)
     try:
-        model, tokenizer = mlx_lm.load(str(info.path))
+        # trust_remote_code=False: transformers raises instead of asking whether to run the folder's code.
+        model, tokenizer = mlx_lm.load(str(info.path), tokenizer_config={"trust_remote_code": False})
     except Exception as error:  # mlx / mlx-lm / transformers raise many types with multi-line messages
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ModelError(f"The model in {info.path} could not be loaded: {reason}") from error

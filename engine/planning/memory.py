@@ -5,9 +5,13 @@ Sizes are reported in bytes; `engine.planning.units.format_bytes` shows them in 
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -43,16 +47,178 @@ def memory_pressure(available: int, total: int) -> str:
     return "normal"
 
 
-def system_memory() -> dict[str, Any]:
-    """RAM of the whole machine: total, available, used (bytes), percent used, and a pressure level."""
+def system_memory(*, cgroup_root: Path | None = None, proc_cgroup: Path | None = None) -> dict[str, Any]:
+    """Memory this process may use: total, available, used (bytes), percent used, a pressure level, and
+    `limited_by` (what set the figures: 'physical memory', a cgroup, or macOS's page counts).
+
+    The tightest of physical memory and every cgroup limit above this process (v1 or v2): inside a 1 GB
+    container psutil alone reports the host's free memory, and a plan made from it ends with the kernel
+    killing the process. On macOS, available memory is the kernel's own free + reclaimable figure
+    (`macos_available_bytes`). The cgroup paths are injectable for tests.
+    """
     vm = psutil.virtual_memory()
+    total, available, limited_by = int(vm.total), int(vm.available), "physical memory"
+    if sys.platform == "darwin":
+        counted = _macos_available_from_vm_stat(total)
+        if counted is not None and counted < available:
+            available, limited_by = counted, "macOS free + reclaimable pages"
+    for limit in cgroup_memory_limits(cgroup_root or CGROUP_ROOT, proc_cgroup or PROC_SELF_CGROUP):
+        if limit.available < available:
+            available, limited_by = limit.available, limit.where
+        total = min(total, limit.limit)
+    available = min(available, total)
+    used = total - available
     return {
-        "total": int(vm.total),
-        "available": int(vm.available),
-        "used": int(vm.used),
-        "percent": float(vm.percent),
-        "pressure": memory_pressure(int(vm.available), int(vm.total)),
+        "total": total,
+        "available": available,
+        "used": used,
+        "percent": 100.0 * used / total if total > 0 else 100.0,
+        "pressure": memory_pressure(available, total),
+        "limited_by": limited_by,
     }
+
+
+# ------------------------------------------------------------------------------------------ cgroup limits
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+# cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is no limit.
+_CGROUP_V1_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """The memory limit of one cgroup this process belongs to (itself or an ancestor)."""
+
+    limit: int  # bytes the cgroup may hold before the kernel reclaims and then OOM-kills
+    usage: int  # bytes it holds now, this process included
+    reclaimable: int  # inactive page cache the kernel drops before it kills anything
+    where: str  # e.g. 'cgroup v2 /sys/fs/cgroup/user.slice/memory.max'
+
+    @property
+    def available(self) -> int:
+        return max(0, self.limit - self.usage + min(self.reclaimable, self.usage))
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_value(path: Path, *keys: str) -> int:
+    """The first of `keys` found in a cgroup memory.stat file (0 when none is)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    values = dict(line.split(maxsplit=1) for line in lines if " " in line)
+    for key in keys:
+        if key in values and values[key].strip().isdigit():
+            return int(values[key])
+    return 0
+
+
+def _own_cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """(v2 path, v1 memory-controller path) of this process, from /proc/self/cgroup ('ID:controllers:path')."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None, None
+    v2 = v1 = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _self_and_ancestors(base: Path, relative: str | None) -> list[Path]:
+    """`base/relative` and every folder above it up to `base` itself (limits nest: the tightest wins).
+    A path that is not under the mount as seen from here (another namespace) leaves only `base`."""
+    folders = [base]
+    if relative:
+        current = base
+        for part in (piece for piece in relative.split("/") if piece and piece not in (".", "..")):
+            current = current / part
+            folders.append(current)
+    return [folder for folder in folders if folder.is_dir()]
+
+
+def cgroup_memory_limits(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> list[CgroupLimit]:
+    """Every memory limit set on this process's cgroups, v2 (`memory.max`) and v1
+    (`memory/memory.limit_in_bytes`); empty when there are none or no cgroup file system is mounted."""
+    v2_path, v1_path = _own_cgroup_paths(proc_cgroup)
+    limits = []
+    for folder in _self_and_ancestors(root, v2_path):
+        raw = _read_text(folder / "memory.max")
+        if raw is None or raw == "max" or not raw.isdigit():
+            continue
+        limits.append(CgroupLimit(
+            limit=int(raw), usage=_read_int(folder / "memory.current") or 0,
+            reclaimable=_stat_value(folder / "memory.stat", "inactive_file"),
+            where=f"cgroup v2 {folder / 'memory.max'}",
+        ))
+    for folder in _self_and_ancestors(root / "memory", v1_path):
+        limit = _read_int(folder / "memory.limit_in_bytes")
+        if limit is None or limit >= _CGROUP_V1_UNLIMITED:
+            continue
+        limits.append(CgroupLimit(
+            limit=limit, usage=_read_int(folder / "memory.usage_in_bytes") or 0,
+            reclaimable=_stat_value(folder / "memory.stat", "total_inactive_file", "inactive_file"),
+            where=f"cgroup v1 {folder / 'memory.limit_in_bytes'}",
+        ))
+    return limits
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------------ macOS page counts
+
+_VM_STAT_LINE = re.compile(r'^"?([^:"]+)"?:\s+(\d+)\.?$')
+_VM_STAT_PAGE_SIZE = re.compile(r"page size of (\d+) bytes")
+
+
+def parse_vm_stat(text: str) -> tuple[int, dict[str, int]]:
+    """(page size, {counter: pages}) from the output of macOS's `vm_stat`."""
+    size = _VM_STAT_PAGE_SIZE.search(text)
+    counters = {}
+    for line in text.splitlines():
+        match = _VM_STAT_LINE.match(line.strip())
+        if match:
+            counters[match.group(1).strip()] = int(match.group(2))
+    return (int(size.group(1)) if size else 4096), counters
+
+
+def macos_available_bytes(total: int, page_size: int, counters: dict[str, int]) -> int:
+    """Free + reclaimable memory the way Activity Monitor counts it: everything but app memory
+    (anonymous pages that are not purgeable), wired memory and the compressor's pages. psutil counts
+    free + inactive instead, which includes dirty app pages that can only go to swap."""
+    app = counters.get("Anonymous pages", 0) - counters.get("Pages purgeable", 0)
+    held = app + counters.get("Pages wired down", 0) + counters.get("Pages occupied by compressor", 0)
+    return max(0, total - held * page_size)
+
+
+def _macos_available_from_vm_stat(total: int) -> int | None:
+    # The only macOS-only code: run vm_stat (milliseconds). None when it cannot be read.
+    try:
+        output = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    page_size, counters = parse_vm_stat(output)
+    if "Anonymous pages" not in counters:
+        return None
+    return macos_available_bytes(total, page_size, counters)
 
 
 def process_rss() -> int:

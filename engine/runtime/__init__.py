@@ -8,6 +8,9 @@ package and `engine.runtime.cpu` are imported before MLX: their `__init__` modul
 
 from __future__ import annotations
 
+import logging
+import os
+
 from engine.runtime.cpu.blas import FastBlasStatus, enable_fast_blas
 
 
@@ -16,4 +19,13 @@ def prepare_runtime() -> FastBlasStatus:
 
     On Linux x86-64 the fast path routes MLX's BLAS calls to OpenBLAS; it has to be loaded before
     `mlx.core`. Everywhere else, and whenever it cannot be enabled, this does nothing but say why."""
+    _quiet_library_chatter()
     return enable_fast_blas()
+
+
+def _quiet_library_chatter() -> None:
+    """Keep transformers' messages for developers off the user's terminal: "PyTorch was not found" at
+    import (Velox needs only its tokenizers) and "... will result in indexing errors" when a long document
+    is counted (Velox checks lengths against the context itself and says what to do)."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)

@@ -1,5 +1,7 @@
 """A non-modal banner above the conversation for errors and notices: it never blocks, never loses input,
-and can be dismissed; notices fade on their own after a few seconds, errors stay until closed."""
+and can be dismissed; notices fade on their own after a few seconds, errors stay until closed, and so do
+sticky notices (one the user must read, like a damaged database moved aside while the model still loads):
+a later message is shown below a sticky one instead of replacing it."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Banner(QFrame):
         super().__init__(parent)
         self.setObjectName("banner")
         self.kind = ""
+        self._sticky_text = ""  # the sticky message still showing, kept above later ones
         layout = QHBoxLayout(self)
         layout.setContentsMargins(12, 8, 6, 8)
         layout.setSpacing(8)
@@ -39,8 +42,13 @@ class Banner(QFrame):
         self._timer.timeout.connect(self.dismiss)
         self.setVisible(False)
 
-    def show_message(self, text: str, kind: str = "error") -> None:
-        """kind: 'error' (red, stays) or 'notice' (neutral, hides after a few seconds)."""
+    def show_message(self, text: str, kind: str = "error", *, sticky: bool = False) -> None:
+        """kind: 'error' (red, stays) or 'notice' (neutral, hides after a few seconds unless `sticky`)."""
+        if sticky:
+            self._sticky_text = text
+        elif self._sticky_text and self.isVisible():
+            text = f"{self._sticky_text}\n\n{text}"
+            sticky = True
         c = colors()
         self.kind = kind
         error = kind == "error"
@@ -54,13 +62,14 @@ class Banner(QFrame):
         self.label.setText(text)
         self.setVisible(True)
         self._timer.stop()
-        if not error:
-            self._timer.start(NOTICE_SECONDS * 1000)
+        if not error and not sticky:
+            self._timer.start(int(NOTICE_SECONDS * 1000))
 
     def text(self) -> str:
         return self.label.text() if self.isVisible() else ""
 
     def dismiss(self) -> None:
         self._timer.stop()
+        self._sticky_text = ""
         self.setVisible(False)
         self.dismissed.emit()

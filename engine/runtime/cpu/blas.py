@@ -50,7 +50,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.paths import data_dir
+from engine.paths import data_dir, private_dir
 from engine.runtime.cpu.elf_shim import OPENBLAS_SYMBOL_PREFIX, build_forwarding_shim
 
 ENV_SWITCH = "VELOX_FAST_BLAS"
@@ -157,8 +157,12 @@ def _verified_shim(openblas_path: Path) -> tuple[Path, str | None]:
     The one place a cached shim is accepted before `_enable` maps it into this process: any further
     check of the cached bytes belongs here."""
     shim_path = _shim_cache_path(openblas_path)
-    if not shim_path.exists():
-        _write_atomically(shim_path, build_forwarding_shim(str(openblas_path), FORWARDED_CBLAS_SYMBOLS))
+    shim_bytes = build_forwarding_shim(str(openblas_path), FORWARDED_CBLAS_SYMBOLS)
+    if not _holds_exactly(shim_path, shim_bytes):
+        # Missing, or changed since we wrote it (a replaced .so would have its constructor run by the
+        # loader): only bytes generated in this process are ever loaded, and they are tested afresh.
+        shim_path.with_suffix(".verified").unlink(missing_ok=True)
+        _write_atomically(shim_path, shim_bytes)
     verified_marker = shim_path.with_suffix(".verified")
     if not verified_marker.exists():
         problem = _probe_in_subprocess(openblas_path, shim_path)
@@ -243,9 +247,16 @@ def _shim_cache_path(openblas_path: Path) -> Path:
         ]
     )
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
-    native_dir = data_dir() / "native"
-    native_dir.mkdir(parents=True, exist_ok=True)
+    native_dir = private_dir(data_dir() / "native")  # 0700: only this user can place a library here
     return native_dir / f"velox_cblas_shim-{key}.so"
+
+
+def _holds_exactly(path: Path, content: bytes) -> bool:
+    """Whether the file at `path` has exactly the bytes `content` (a few KB: read whole)."""
+    try:
+        return path.read_bytes() == content
+    except OSError:
+        return False
 
 
 def _write_atomically(path: Path, content: bytes) -> None:
