@@ -27,10 +27,10 @@ _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
 def budget_bits(spec_text: str) -> float:
     """Effective bits per value of a Velox spec at head_dim 128, long-context limit."""
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
     from engine.kvcache import get_method
 
-    config = parse_spec(spec_text).velox_config()
+    config = read_result_spec(spec_text).velox_config()
     return float(get_method(config.method).effective_bits_per_value(config, REFERENCE_HEAD_DIM))
 
 
@@ -60,7 +60,7 @@ def select_levels(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def level_config(row: dict[str, Any]) -> tuple[str, int, int, int, int]:
     """(method, key bits, value bits, group size, residual window) of a chosen row, as LEVEL_TABLE holds it."""
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
 
-    config = parse_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
+    config = read_result_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
     return (config.method, config.key_bits, config.value_bits, config.group_size, config.residual_window)

@@ -190,29 +190,40 @@ def _machine_line(source: Source) -> str:
     )
 
 
-def _label(spec: str) -> str:
-    from benchmarks.harness.specs import parse_spec
+def _canonical(spec: str) -> str:
+    """A result row's spec in today's syntax, so rows written in either syntax compare (the text if unreadable)."""
+    from benchmarks.harness.specs import read_result_spec
+    from engine.errors import ConfigError
 
     try:
-        return parse_spec(spec).label
+        return read_result_spec(spec).canonical
+    except ConfigError:  # a method no longer registered
+        return spec
+
+
+def _label(spec: str) -> str:
+    from benchmarks.harness.specs import read_result_spec
+
+    try:
+        return read_result_spec(spec).label
     except Exception:  # unknown method name in an old result
         return spec
 
 
 def _family_of(spec: str) -> str:
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
 
     try:
-        return parse_spec(spec).family
+        return read_result_spec(spec).family
     except Exception:
         return "velox"
 
 
 def _method_of(spec: str) -> str:
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
 
     try:
-        return parse_spec(spec).method
+        return read_result_spec(spec).method
     except Exception:
         return spec
 
@@ -284,14 +295,15 @@ def mlx_budgets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per mlx-lm QuantizedKVCache row, most bits first: the budget is the bits mlx-lm's cache holds,
     and beside it the best Velox cache within that budget (lowest KL), the best one that decodes on packed
     codes, and Velox's affine cache with mlx-lm's bits and group size (the same quantizer, fp16 scales)."""
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
 
     out = []
     mlx_rows = [r for r in rows if r.get("family") == "mlx-lm" and r.get("method") not in ("kv",) + DENSE]
     for mlx in sorted(mlx_rows, key=lambda r: -r["effective_bits"]):
-        spec = parse_spec(mlx["spec"])
+        spec = read_result_spec(mlx["spec"])
         budget = mlx["effective_bits"]
-        same = row_by_spec(rows, f"affine:{spec.key_bits}:{spec.group_size}")
+        affine = f"affine:k{spec.key_bits}v{spec.key_bits}:g{spec.group_size}"
+        same = next((r for r in rows if _canonical(r["spec"]) == affine), None)
         out.append({"budget": budget, "mlx": mlx, "best": best_within(rows, budget),
                     "best_fused": best_within(rows, budget, fused_only=True), "same_quantizer": same})
     return out
@@ -299,10 +311,10 @@ def mlx_budgets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def level_matches(spec: str, level: Any) -> bool:
     """Whether a Velox spec builds the cache of an app level (engine.planning.recommend.LEVELS)."""
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
 
     try:
-        parsed = parse_spec(spec)
+        parsed = read_result_spec(spec)
     except Exception:  # a spec of a method no longer registered
         return False
     if parsed.family != "velox" or parsed.method != level.method:
@@ -394,7 +406,7 @@ def readme_section(results: Results) -> list[str]:
     lines += _table(["app level", "Velox cache", "bits held", "Δ NLL ± SE (nats/token)", "mlx-lm QuantizedKVCache "
                      "with at least as many bits", "bits held", "Δ NLL ± SE (nats/token)"], body)
     budgets = mlx_budgets(rows)
-    four = next((b for b in budgets if b["same_quantizer"] is not None and b["mlx"]["spec"].startswith("mlx-q:4")), None)
+    four = next((b for b in budgets if b["same_quantizer"] is not None and _canonical(b["mlx"]["spec"]) == "mlx-q:k4v4"), None)
     if four:
         mlx, same = four["mlx"], four["same_quantizer"]
         bf16 = large_shape_bits(results.best("memory"), mlx["spec"])
@@ -499,7 +511,7 @@ def summary_section(results: Results, base: Path) -> list[str]:
         *_table(["budget: bits held per value ≤", "role", "cache", "bits held", "Δ NLL ± SE (nats/token)",
                  "Δ perplexity", "KL (nats/token)", "top-1 = fp16"], body),
     ]
-    mlx4 = next((e for e in mlx_budgets(rows) if e["mlx"]["spec"].startswith("mlx-q:4")), None)
+    mlx4 = next((e for e in mlx_budgets(rows) if _canonical(e["mlx"]["spec"]) == "mlx-q:k4v4"), None)
     if mlx4:
         bf16 = large_shape_bits(results.best("memory"), mlx4["mlx"]["spec"])
         lines += [
@@ -670,11 +682,11 @@ def _followed_note(specs: list[str], what: str = "") -> list[str]:
     """A note when a run lacks some of the app's current levels (a needle/agreement run follows the levels of
     its time; `what` names a run that follows a fixed list instead)."""
     from benchmarks.harness.cli import level_specs
-    from benchmarks.harness.specs import parse_spec, same_cache
+    from benchmarks.harness.specs import parse_spec, read_result_spec, same_cache
 
     try:
         current = [parse_spec(s) for s in level_specs()]
-        ran = [parse_spec(s) for s in specs]
+        ran = [read_result_spec(s) for s in specs]
     except Exception:
         return []
     missing = [c for c in current if not any(same_cache(c, r) for r in ran)]
@@ -999,7 +1011,7 @@ def peers_section(results: Results, base: Path) -> list[str]:
     rows = quality_rows(quality)
     peers = [r for r in rows if r.get("family") == "veloxquant"]
     lines = [
-        "mlx-lm's own `QuantizedKVCache` (specs `mlx-q:BITS`, group 64) runs in the same processes as Velox's "
+        "mlx-lm's own `QuantizedKVCache` (specs `mlx-q:kBITSvBITS`, group 64) runs in the same processes as Velox's "
         "caches. The PyPI package `veloxquant-mlx` runs in a throwaway venv made by `benchmarks/harness/peers.py` with "
         "the same mlx, mlx-lm and OpenBLAS versions, driven through its own `KVCacheBuilder.for_model`; its bytes "
         "are walked the same way as ours (every mx.array its cache objects hold).",
@@ -1086,8 +1098,8 @@ def reproduce_section(results: Results, base: Path) -> list[str]:
     if quality and not quality.quick:
         lines.append("# quality (perplexity sweep, mlx-lm and veloxquant-mlx included): benchmarks/results/quality.json")
         lines.append(".venv/bin/python benchmarks/bench.py quality --parts perplexity --jobs 2")
-        extra = [r["spec"] for r in quality_rows(quality)
-                 if r["spec"] not in QUALITY_SPECS and r["spec"] not in VELOXQUANT_SPECS]
+        swept = {_canonical(spec) for spec in (*QUALITY_SPECS, *VELOXQUANT_SPECS)}
+        extra = [_canonical(r["spec"]) for r in quality_rows(quality) if _canonical(r["spec"]) not in swept]
         if extra:
             lines.append("# rows added to that sweep afterwards (same windows, fp16 rerun as the reference):")
             lines.append(f".venv/bin/python benchmarks/bench.py quality --add --specs {','.join(extra)}")
@@ -1102,7 +1114,7 @@ def reproduce_section(results: Results, base: Path) -> list[str]:
     ]
     for source in results.sources("speed"):
         if source.quick and source.path.name != _canonical_name("speed", True):
-            specs = ",".join(r["spec"] for r in source.data.get("rows", []))
+            specs = ",".join(_canonical(r["spec"]) for r in source.data.get("rows", []))
             no_peers = " --no-peers" if "--no-peers" in str(source.data.get("peer_note", "")) else ""
             lines.append(f"# {_rel(source.path, base)} (written as speed-quick.json, kept under this name):")
             lines.append(f".venv/bin/python benchmarks/bench.py speed --quick{no_peers} --specs {specs}")
@@ -1414,8 +1426,9 @@ def figure_vs_mlx(quality: Source, path: Path, base: Path) -> None:
     plt.close(fig)
 
 
-MEMORY_FIGURE_SPECS = ("fp16", "mlx-kv", "mlx-q:8", "mlx-q:4", "affine:8:64", "rotated:4:64", "kivi:4:32",
-                       "turboquant:3", "rotated:3/2:32", "turboquant:2", "vq:kivi:4", "vq:turboquant_rvq:2")
+MEMORY_FIGURE_SPECS = ("fp16", "mlx-kv", "mlx-q:k8v8", "mlx-q:k4v4", "affine:k8v8:g64", "rotated:k4v4:g64",
+                       "kivi:k4v4:g32", "turboquant:k3v3", "rotated:k3v2:g32", "turboquant:k2v2", "vq:kivi:k4v4",
+                       "vq:turboquant_rvq:k2v2")
 
 
 def _line_style(spec: str) -> dict[str, Any]:
@@ -1443,8 +1456,9 @@ def figure_memory(memory: Source, path: Path, base: Path, chosen: tuple[str, ...
     for axis, (kind, name, results, scale, unit) in zip(axes[0], panels, strict=True):
         entries = []
         xs: list[int] = []
+        by_cache = {_canonical(spec): rows for spec, rows in results.items()}
         for spec in chosen:
-            rows = results.get(spec)
+            rows = by_cache.get(_canonical(spec))
             if not rows:
                 continue
             x = [r["tokens"] for r in rows]
