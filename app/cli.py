@@ -90,8 +90,8 @@ def _cache_config(args: argparse.Namespace) -> Any:
     # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
     levels = {level.key: level for level in LEVELS}
     if args.kv is None and str(args.kv_bits) in levels:
-        return levels[str(args.kv_bits)].to_config()
-    method = args.kv or levels["4"].method
+        return levels[str(args.kv_bits)].config
+    method = args.kv or levels["4"].config.method
     if args.kv_bits is None:
         return KVCacheConfig(method=method)
     return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)

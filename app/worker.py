@@ -55,10 +55,10 @@ def level_summary(level: Any) -> dict[str, Any]:
     return {
         "key": str(level.key),
         "label": str(level.label),
-        "method": str(level.method),
-        "key_bits": level.key_bits,
-        "value_bits": level.value_bits,
-        "group_size": level.group_size,
+        "method": str(level.config.method),
+        "key_bits": level.config.key_bits,
+        "value_bits": level.config.value_bits,
+        "group_size": level.config.group_size,
         "quality_note": level.quality_note,
     }
 
@@ -518,7 +518,7 @@ class EngineWorker(QObject):
     def _apply_compression(self, level_key: str, method: str | None, *, announce: bool) -> None:
         level = find_level(level_key)
         report: dict[str, Any] = {"key": level_key, "label": level.label if level else f"{level_key}-bit",
-                                  "method": method or (level.method if level else ""), "override": method,
+                                  "method": method or (level.config.method if level else ""), "override": method,
                                   "before": 0, "after": 0, "available": False, "message": "", "seconds": 0.0}
         session = self.session
         if session is None:
@@ -535,7 +535,7 @@ class EngineWorker(QObject):
             if level.key == "16" and not method:
                 config = None  # mlx-lm's own 16-bit cache: the uncompressed baseline
             else:
-                config = level.to_config()
+                config = level.config
                 if method and method != config.method:
                     config = replace(config, method=method)
             result = session.set_compression(config)

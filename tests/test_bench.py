@@ -4,6 +4,7 @@ from held bytes, spec parsing, needle prompts, result files and the report. No t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -222,11 +223,11 @@ def test_level_specs_follow_the_level_table() -> None:
     from engine.planning.recommend import LEVELS
 
     specs = level_specs()
-    compressed = [level for level in LEVELS if level.method not in ("fp16", "fp32")]
+    compressed = [level for level in LEVELS if level.config.method not in ("fp16", "fp32")]
     assert len(specs) == len(compressed)
     for text, level in zip(specs, compressed, strict=True):
         spec = parse_spec(text)
-        assert (spec.method, spec.key_bits, spec.value_bits) == (level.method, level.key_bits, level.value_bits)
+        assert spec.config == replace(level.config, options={"prefill_attention": "auto"})
 
 
 # ----- quality bookkeeping ------------------------------------------------------------------------------------
@@ -611,6 +612,7 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
         level = level_by_key(key)
-        assert (level.method, level.key_bits, level.value_bits, level.group_size, level.residual_window) == (
+        config = level.config
+        assert (config.method, config.key_bits, config.value_bits, config.group_size, config.residual_window) == (
             level_config(choice["row"])
         ), key

@@ -106,7 +106,7 @@ def level_specs() -> list[str]:
     """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider)."""
     from engine.planning.recommend import LEVELS
 
-    return [str(level.to_config()) for level in LEVELS if level.method not in ("fp16", "fp32")]
+    return [str(level.config) for level in LEVELS if level.config.method not in ("fp16", "fp32")]
 
 
 # ----- shared set-up ----------------------------------------------------------------------------------------

@@ -317,13 +317,14 @@ def level_matches(spec: str, level: Any) -> bool:
         parsed = read_result_spec(spec)
     except Exception:  # a spec of a method no longer registered
         return False
-    if parsed.family != "velox" or parsed.method != level.method:
+    config = level.config
+    if parsed.family != "velox" or parsed.method != config.method:
         return False
-    if level.method in DENSE:
+    if config.method in DENSE:
         return True
     group = parsed.group_size or 64
     return (parsed.key_bits, parsed.value_bits, group, parsed.residual_window) == (
-        level.key_bits, level.value_bits, level.group_size, level.residual_window)
+        config.key_bits, config.value_bits, config.group_size, config.residual_window)
 
 
 def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -335,7 +336,7 @@ def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                       key=lambda r: r["effective_bits"])
     out = []
     for level in LEVELS:
-        if level.method in DENSE:
+        if level.config.method in DENSE:
             continue
         row = next((r for r in rows if level_matches(r["spec"], level)), None)
         mlx = None
@@ -624,11 +625,12 @@ def level_section(results: Results, base: Path) -> list[str]:
     ]
     summary = []
     for level in LEVELS:
-        if level.method in DENSE:
+        if level.config.method in DENSE:
             continue
         choice = chosen.get(level.key)
-        table_config = f"{level.method} K{level.key_bits}/V{level.value_bits} g{level.group_size}" + (
-            f" w{level.residual_window}" if level.residual_window else "")
+        config = level.config
+        table_config = f"{config.method} K{config.key_bits}/V{config.value_bits} g{config.group_size}" + (
+            f" w{config.residual_window}" if config.residual_window else "")
         if choice is None:
             summary.append([level.label, "—", "nothing eligible fits", table_config, "—", "—", "—"])
             continue
@@ -640,7 +642,7 @@ def level_section(results: Results, base: Path) -> list[str]:
                      "bits held", "KL (nats/token)", "Δ NLL ± SE (nats/token)"], summary)
     for level in LEVELS:
         choice = chosen.get(level.key)
-        if level.method in DENSE or choice is None:
+        if level.config.method in DENSE or choice is None:
             continue
         ranked = choice["ranked"]
         best_kl = ranked[0]["mean_kl"]
