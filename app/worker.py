@@ -264,10 +264,6 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False, "")
             return
         self.turnStarted.emit("regenerate" if regenerate else "send")
-        if regenerate and session.history and session.history[-1].role == "assistant":
-            restore = list(session.history)
-        else:
-            restore = None
         reply = ""
         stats: Any = None
         started = time.perf_counter()
@@ -299,11 +295,7 @@ class EngineWorker(QObject):
                     self.notice.emit(event.text)
                 elif isinstance(event, GenerationStats):
                     stats = event
-        except ContextOverflowError as error:
-            if restore is not None:
-                session.history = restore  # regenerate popped the turn before finding it does not fit
-                session.pending_documents = [d for d in session.pending_documents
-                                             if not any(d is doc for m in restore for doc in m.documents)]
+        except ContextOverflowError as error:  # the session refused the turn before changing anything
             self.overflow.emit({
                 "text": text, "message": str(error), "needed": error.needed_tokens,
                 "limit": error.limit_tokens, "regenerate": regenerate,
