@@ -155,7 +155,7 @@ def test_settings_are_remembered_and_applied_after_a_restart(make_controller, qt
     session = restarted.engine.worker.session
     assert session.compression is not None and session.compression.key_bits == 8
     assert session.settings.max_tokens == 12
-    assert restarted.compression_label() == f"8-bit ({level_by_key('8').method})"
+    assert restarted.compression_label() == f"8-bit ({level_by_key('8').config.method})"
 
 
 def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbot):
