@@ -178,6 +178,24 @@ def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbo
     assert notices and "Nothing was sent" in notices[0]
 
 
+def test_a_regenerate_that_overflows_keeps_the_conversation(make_controller, qtbot):
+    """The session refuses the turn before changing anything, so the worker has nothing to repair."""
+    controller = make_controller()
+    reply(qtbot, controller, "Name a colour.")
+    session = controller.engine.worker.session
+    history, cached = list(session.history), list(session.cached_tokens)
+    question = session.render_tokens(history[:-1])
+    session.context_length = len(question) + 11  # the question fits, room for a 12-token reply does not
+    asked = []
+    controller.overflowChoiceNeeded.connect(asked.append)
+    assert controller.regenerate()
+    qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
+    assert asked[0]["regenerate"] is True and asked[0]["needed"] == asked[0]["limit"] + 1
+    assert session.history == history and session.cached_tokens == cached and session.pending_documents == []
+    assert [e.role for e in controller.entries] == ["user", "assistant"]
+    assert controller.entries[-1].text == history[-1].content
+
+
 def test_reply_caption_reads_like_a_status_line():
     stats = {"generated_tokens": 42, "decode_tokens_per_second": 31.46, "time_to_first_token": 0.4213,
              "finish_reason": "stop"}
