@@ -49,7 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--overflow", choices=["error", "drop-oldest", "truncate-middle"], default="error",
         help="what to do when the conversation exceeds the context (default: stop with an error)",
     )
-    chat.add_argument("--kv", default=None, help="KV cache compression method (see `velox methods`)")
+    chat.add_argument("--kv", default=None,
+                      help="KV cache compression: a method (see `velox methods`) or a full cache spec such as "
+                           "kivi:k4v4:g64 or rotated:k3v2:g32:w128")
     chat.add_argument("--kv-bits", type=int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
 
@@ -83,6 +85,9 @@ def _bench_harness() -> Any:
 def _cache_config(args: argparse.Namespace) -> Any:
     if args.kv is None and args.kv_bits is None:
         return None
+    from dataclasses import replace
+
+    from engine.errors import ConfigError
     from engine.kvcache import KVCacheConfig
     from engine.planning.recommend import LEVELS
 
@@ -91,10 +96,12 @@ def _cache_config(args: argparse.Namespace) -> Any:
     levels = {level.key: level for level in LEVELS}
     if args.kv is None and str(args.kv_bits) in levels:
         return levels[str(args.kv_bits)].config
-    method = args.kv or levels["4"].config.method
+    config = KVCacheConfig.parse(args.kv) if args.kv is not None else KVCacheConfig(levels["4"].config.method)
     if args.kv_bits is None:
-        return KVCacheConfig(method=method)
-    return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)
+        return config
+    if config.key_bits is not None or config.value_bits is not None:
+        raise ConfigError(f"--kv {args.kv} already gives the bits; leave out --kv-bits {args.kv_bits}.")
+    return replace(config, key_bits=args.kv_bits, value_bits=args.kv_bits)
 
 
 def _print_stats(stats: Any) -> None:
