@@ -16,8 +16,8 @@ A configuration is written as one spec token without spaces (`str(config)`, read
     fp16    kivi:k4v4:g64    rotated:k3v2:g32:w128:s4    turboquant:k3v3:g64:codebook=beta
     affine:k4v4:g64:prefill_attention=dequantize-blocks
 
-`parse(str(config)) == config` for every configuration whose option names are identifiers other than
-`seed` and `rotation` (which `validate` requires). `parse` checks the syntax only; `validate(head_dim)`
+`parse(str(config)) == config` for every configuration whose option names are identifiers other than the
+field names (`seed=`, `rotation=` are the fields; `validate` requires this of every option name). `parse` checks the syntax only; `validate(head_dim)`
 checks the method and whether its settings suit the model.
 """
 
@@ -47,8 +47,6 @@ _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
 _INT = re.compile(r"-?\d+")
 _FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|-?inf|nan")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None}
-# Settings written as NAME=VALUE that are fields, not options; an option may not take these names.
-_NAMED_FIELDS = ("seed", "rotation")
 
 
 @dataclass(frozen=True)
