@@ -611,8 +611,17 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     chosen = select_levels(rows)
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
-        level = level_by_key(key)
-        config = level.config
-        assert (config.method, config.key_bits, config.value_bits, config.group_size, config.residual_window) == (
-            level_config(choice["row"])
-        ), key
+        assert level_by_key(key).config == level_config(choice["row"]), key
+
+
+def test_importing_the_harness_does_not_load_mlx() -> None:
+    """`velox bench` imports the harness before the CPU fast path is prepared, so it must not import MLX."""
+    import subprocess
+    import sys
+
+    from benchmarks.harness.common import ROOT
+
+    code = ("import sys, benchmarks.harness.cli, benchmarks.harness.specs, benchmarks.harness.levels; "
+            "print('mlx' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.strip() == "False"

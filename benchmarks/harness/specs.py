@@ -19,10 +19,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
-from engine.kvcache.config import KVCacheConfig
+
+if TYPE_CHECKING:  # importing engine.kvcache loads MLX, which the CLI imports only after preparing the runtime
+    from engine.kvcache.config import KVCacheConfig
 
 VELOXQUANT_PREFIX = "vq:"
 MLX_QUANTIZED_PREFIX = "mlx-q:"
@@ -200,6 +202,9 @@ class CacheSpec:
 
 def parse_spec(text: str) -> CacheSpec:
     """Read a spec token (see the module doc); ConfigError with the accepted forms otherwise."""
+    from engine.kvcache.config import KVCacheConfig
+    from engine.kvcache.registry import get_method
+
     text = text.strip()
     if text == MLX_PLAIN:
         return CacheSpec(text, "mlx-lm", KVCacheConfig("kv"))
@@ -212,8 +217,6 @@ def parse_spec(text: str) -> CacheSpec:
         _check_peer_config(text, config, "vq:turboquant_rvq:k2v2", group_allowed=False)
         return CacheSpec(text, "veloxquant", config)
     config = KVCacheConfig.parse(text)
-    from engine.kvcache.registry import get_method
-
     if get_method(config.method).attention_path != "dense" and "prefill_attention" not in config.options:
         config = replace(config, options={**config.options, "prefill_attention": DEFAULT_PREFILL_ATTENTION})
     return CacheSpec(text, "velox", config)
@@ -221,6 +224,8 @@ def parse_spec(text: str) -> CacheSpec:
 
 def _check_peer_config(text: str, config: KVCacheConfig, example: str, group_allowed: bool = True) -> None:
     """A peer's cache takes one bit width for keys and values, and (mlx-lm) a group size; nothing else."""
+    from engine.kvcache.config import KVCacheConfig
+
     plain = KVCacheConfig(config.method, config.key_bits, config.value_bits,
                           config.group_size if group_allowed else KVCacheConfig.group_size)
     if config.key_bits is None or config.key_bits != config.value_bits or config != plain:
