@@ -64,7 +64,9 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
         "--overflow", choices=["error", "drop-oldest", "truncate-middle"], default="error",
         help="what to do when the conversation exceeds the context (default: stop with an error)",
     )
-    chat.add_argument("--kv", default=None, help="KV cache compression method (see `velox methods`)")
+    chat.add_argument("--kv", default=None,
+                      help="KV cache compression: a method (see `velox methods`) or a full cache spec such as "
+                           "kivi:k4v4:g64 or rotated:k3v2:g32:w128")
     chat.add_argument("--kv-bits", type=_positive_int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
 

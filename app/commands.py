@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from dataclasses import replace
 from typing import Any
 
 import engine
@@ -25,7 +26,7 @@ from engine.chat.session import (
     PrefillProgress,
     TextChunk,
 )
-from engine.errors import VeloxError
+from engine.errors import ConfigError, VeloxError
 from engine.kvcache import KVCacheConfig, describe_methods
 from engine.models.catalog import list_models, load_model, resolve_model
 from engine.planning.memory import snapshot, system_memory
@@ -50,11 +51,13 @@ def _cache_config(args: argparse.Namespace) -> Any:
     # table follows the committed quality benchmark); --kv-bits alone picks that level outright.
     levels = {level.key: level for level in LEVELS}
     if args.kv is None and str(args.kv_bits) in levels:
-        return levels[str(args.kv_bits)].to_config()
-    method = args.kv or levels["4"].method
+        return levels[str(args.kv_bits)].config
+    config = KVCacheConfig.parse(args.kv) if args.kv is not None else KVCacheConfig(levels["4"].config.method)
     if args.kv_bits is None:
-        return KVCacheConfig(method=method)
-    return KVCacheConfig(method=method, key_bits=args.kv_bits, value_bits=args.kv_bits)
+        return config
+    if config.key_bits is not None or config.value_bits is not None:
+        raise ConfigError(f"--kv {args.kv} already gives the bits; leave out --kv-bits {args.kv_bits}.")
+    return replace(config, key_bits=args.kv_bits, value_bits=args.kv_bits)
 
 
 def _print_stats(stats: Any) -> None:
@@ -73,9 +76,9 @@ def _level_key(cache_config: Any) -> str:
     if cache_config is None:
         return LEVELS[0].key
     for level in LEVELS:
-        if level.to_config() == cache_config:
+        if level.config == cache_config:
             return level.key
-    same_bits = [level.key for level in LEVELS if level.key_bits == getattr(cache_config, "key_bits", None)]
+    same_bits = [level.key for level in LEVELS if level.config.key_bits == getattr(cache_config, "key_bits", None)]
     return same_bits[0] if same_bits else LEVELS[0].key
 
 

@@ -556,7 +556,7 @@ class ChatController(QObject):
     def compression_label(self) -> str:
         level = find_level(self.level_key)
         label = level.label if level else f"{self.level_key}-bit"
-        method = self.method or (level.method if level else "")
+        method = self.method or (level.config.method if level else "")
         return f"{label} ({method})" if method and self.level_key != "16" else label
 
     def set_compression(self, level_key: str, method: str | None = None, remember: bool = True) -> None:

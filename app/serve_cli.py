@@ -59,7 +59,7 @@ def _cache_config(args: argparse.Namespace, kv_config: Any) -> Any:
     from engine.planning.recommend import UNCOMPRESSED_LEVEL_KEY, level_by_key  # as above
 
     level = args.level or DEFAULT_LEVEL
-    return None if level == UNCOMPRESSED_LEVEL_KEY else level_by_key(level).to_config()
+    return None if level == UNCOMPRESSED_LEVEL_KEY else level_by_key(level).config
 
 
 def run(args: argparse.Namespace, kv_config: Any, progress: Any) -> int:

@@ -74,10 +74,10 @@ def level_summary(level: Any) -> dict[str, Any]:
     return {
         "key": str(level.key),
         "label": str(level.label),
-        "method": str(level.method),
-        "key_bits": level.key_bits,
-        "value_bits": level.value_bits,
-        "group_size": level.group_size,
+        "method": str(level.config.method),
+        "key_bits": level.config.key_bits,
+        "value_bits": level.config.value_bits,
+        "group_size": level.config.group_size,
         "quality_note": level.quality_note,
     }
 
@@ -272,10 +272,6 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False, "")
             return
         self.turnStarted.emit("regenerate" if regenerate else "send")
-        if regenerate and session.history and session.history[-1].role == "assistant":
-            restore = list(session.history)
-        else:
-            restore = None
         reply = ""
         stats: Any = None
         started = time.perf_counter()
@@ -307,11 +303,7 @@ class EngineWorker(QObject):
                     self.notice.emit(event.text)
                 elif isinstance(event, GenerationStats):
                     stats = event
-        except ContextOverflowError as error:
-            if restore is not None:
-                session.history = restore  # regenerate popped the turn before finding it does not fit
-                session.pending_documents = [d for d in session.pending_documents
-                                             if not any(d is doc for m in restore for doc in m.documents)]
+        except ContextOverflowError as error:  # the session refused the turn before changing anything
             self.overflow.emit({
                 "text": text, "message": str(error), "needed": error.needed_tokens,
                 "limit": error.limit_tokens, "regenerate": regenerate,
@@ -514,7 +506,7 @@ class EngineWorker(QObject):
     def _apply_compression(self, level_key: str, method: str | None, *, announce: bool) -> None:
         level = find_level(level_key)
         report: dict[str, Any] = {"key": level_key, "label": level.label if level else f"{level_key}-bit",
-                                  "method": method or (level.method if level else ""), "override": method,
+                                  "method": method or (level.config.method if level else ""), "override": method,
                                   "before": 0, "after": 0, "available": False, "message": "", "seconds": 0.0}
         session = self.session
         if session is None:
@@ -531,7 +523,7 @@ class EngineWorker(QObject):
             if level.key == "16" and not method:
                 config = None  # mlx-lm's own 16-bit cache: the uncompressed baseline
             else:
-                config = level.to_config()
+                config = level.config
                 if method and method != config.method:
                     config = replace(config, method=method)
             result = session.set_compression(config)

@@ -1,13 +1,13 @@
 """Teacher-forced quality of KV cache configs on the default model (or any mlx-lm model folder).
 
     python benchmarks/kvcache_quality.py [--model DIR] [--text FILE] [--tokens 1000] [--chunk 64]
-                                         [--configs fp16,affine:4:64,rotated:3:32,...] [--out results.json]
+                                         [--configs fp16,affine:k4v4:g64,...] [--out results.json]
 
-A config is `method[:bits[:group_size]]` with bits either `4` or `4/2` (keys/values); `+w128` and `+s4`
-suffixes add a 16-bit recent window and sink tokens, e.g. `rotated:3:32+w128+s4`; `+blocks` makes prefill
-chunks attend through decoded blocks (options prefill_attention=dequantize-blocks, faster on a CPU). The first config is the
-reference for KL (default fp16). Prints a table (perplexity, KL to the reference, effective bits, bytes,
-seconds) and writes JSON. Compare methods by paired differences on the same tokens, never by absolute ppl.
+A config is one KV cache spec token, read by `KVCacheConfig.parse` (engine/kvcache/config.py says the
+syntax), e.g. `rotated:k3v3:g32:w128:s4` for a 16-bit recent window and sink tokens;
+`:prefill_attention=dequantize-blocks` makes prefill chunks attend through decoded blocks (faster on a CPU).
+The first config is the reference for KL (default fp16). Prints a table (perplexity, KL to the reference,
+effective bits, bytes, seconds) and writes JSON. Compare methods by paired differences on the same tokens, never by absolute ppl.
 """
 
 from __future__ import annotations
@@ -23,32 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_TEXT = ROOT / "tests" / "data" / "prose_sample.txt"
 DEFAULT_CONFIGS = (
-    "fp16,fp32,affine:8:64,affine:4:64,rotated:4:64,affine:3:32,rotated:3:32,affine:2:32,rotated:2:32"
+    "fp16,fp32,affine:k8v8:g64,affine:k4v4:g64,rotated:k4v4:g64,affine:k3v3:g32,rotated:k3v3:g32,affine:k2v2:g32,"
+    "rotated:k2v2:g32"
 )
-
-
-def parse_config(text: str):
-    from engine.kvcache import KVCacheConfig
-
-    head, *extras = text.split("+")
-    method, *rest = head.split(":")
-    fields: dict = {"method": method}
-    if rest:
-        key_bits, _, value_bits = rest[0].partition("/")
-        fields["key_bits"] = int(key_bits)
-        fields["value_bits"] = int(value_bits) if value_bits else None
-    if len(rest) > 1:
-        fields["group_size"] = int(rest[1])
-    for extra in extras:
-        if extra == "blocks":
-            fields["options"] = {"prefill_attention": "dequantize-blocks"}
-        elif extra.startswith("w"):
-            fields["residual_window"] = int(extra[1:])
-        elif extra.startswith("s"):
-            fields["sink_tokens"] = int(extra[1:])
-        else:
-            raise SystemExit(f"Unknown config suffix {extra!r} in {text!r} (use +wN, +sN or +blocks).")
-    return KVCacheConfig(**fields)
 
 
 def main() -> None:
@@ -76,8 +53,14 @@ def main() -> None:
         model_dir = ensure_default_model()
     model, tokenizer, info = load_model(model_dir)
     tokens = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8")))[: args.tokens]
+    from engine.errors import ConfigError
+    from engine.kvcache import KVCacheConfig
+
     names = [name.strip() for name in args.configs.split(",") if name.strip()]
-    configs = {name: parse_config(name) for name in names}
+    try:
+        configs = {name: KVCacheConfig.parse(name) for name in names}
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
     results = teacher_forced_quality(model, tokens, configs, reference=names[0], chunk_tokens=args.chunk)
 
     print(f"{info.name}: {len(tokens)} tokens of {Path(args.text).name}, chunks of {args.chunk}")

@@ -155,7 +155,7 @@ def test_settings_are_remembered_and_applied_after_a_restart(make_controller, qt
     session = restarted.engine.worker.session
     assert session.compression is not None and session.compression.key_bits == 8
     assert session.settings.max_tokens == 12
-    assert restarted.compression_label() == f"8-bit ({level_by_key('8').method})"
+    assert restarted.compression_label() == f"8-bit ({level_by_key('8').config.method})"
 
 
 def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbot):
@@ -176,6 +176,24 @@ def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbo
     controller.noticeRaised.connect(notices.append)
     controller.resolve_overflow(asked[0], None)
     assert notices and "Nothing was sent" in notices[0]
+
+
+def test_a_regenerate_that_overflows_keeps_the_conversation(make_controller, qtbot):
+    """The session refuses the turn before changing anything, so the worker has nothing to repair."""
+    controller = make_controller()
+    reply(qtbot, controller, "Name a colour.")
+    session = controller.engine.worker.session
+    history, cached = list(session.history), list(session.cached_tokens)
+    question = session.render_tokens(history[:-1])
+    session.context_length = len(question) + 11  # the question fits, room for a 12-token reply does not
+    asked = []
+    controller.overflowChoiceNeeded.connect(asked.append)
+    assert controller.regenerate()
+    qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
+    assert asked[0]["regenerate"] is True and asked[0]["needed"] == asked[0]["limit"] + 1
+    assert session.history == history and session.cached_tokens == cached and session.pending_documents == []
+    assert [e.role for e in controller.entries] == ["user", "assistant"]
+    assert controller.entries[-1].text == history[-1].content
 
 
 def test_reply_caption_reads_like_a_status_line():

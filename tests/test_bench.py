@@ -4,6 +4,7 @@ from held bytes, spec parsing, needle prompts, result files and the report. No t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from benchmarks.harness.common import (
 from benchmarks.harness.quality import combine_agreement, combine_needle, combine_perplexity, needle_prompt
 from benchmarks.harness.specs import QUALITY_SPECS, SPEED_SPECS, parse_spec, parse_specs
 from engine.errors import ConfigError
+from engine.kvcache import KVCacheConfig
 from engine.kvcache.evaluate import teacher_forced_token_stats
 from engine.planning.memory import array_bytes
 from tests.kvcache_helpers import TINY_VOCAB, random_kv, tiny_llama
@@ -40,28 +42,30 @@ def test_chunk_size_1_and_64_agree_for_a_stateless_cache() -> None:
     give the same per-token NLL (to float rounding), while a 2-bit cache on the same tokens is far off."""
     model = tiny_llama(head_dim=32, n_layers=2)
     tokens = _tokens(150)
-    factories = {"fp32": parse_spec("fp32").factory(model), "affine:2:32": parse_spec("affine:2:32").factory(model)}
+    factories = {"fp32": parse_spec("fp32").factory(model),
+                 "affine:k2v2:g32": parse_spec("affine:k2v2:g32").factory(model)}
     one = teacher_forced_token_stats(model, tokens, factories, "fp32", chunk_tokens=1)
     many = teacher_forced_token_stats(model, tokens, factories, "fp32", chunk_tokens=64)
     assert one["fp32"].nll.shape == many["fp32"].nll.shape == (149,)
     gap = np.max(np.abs(one["fp32"].nll - many["fp32"].nll))
     assert gap < 1e-4
-    assert np.max(np.abs(many["affine:2:32"].nll - many["fp32"].nll)) > 100 * max(gap, 1e-6)
+    assert np.max(np.abs(many["affine:k2v2:g32"].nll - many["fp32"].nll)) > 100 * max(gap, 1e-6)
 
 
 def test_token_stats_against_the_reference_and_scoring_window() -> None:
     model = tiny_llama(head_dim=32, n_layers=2)
     tokens = _tokens(130)
-    factories = {"fp16": parse_spec("fp16").factory(model), "rotated:3:32": parse_spec("rotated:3:32").factory(model)}
+    factories = {"fp16": parse_spec("fp16").factory(model),
+                 "rotated:k3v3:g32": parse_spec("rotated:k3v3:g32").factory(model)}
     full = teacher_forced_token_stats(model, tokens, factories, "fp16", chunk_tokens=64)
     tail = teacher_forced_token_stats(model, tokens, factories, "fp16", chunk_tokens=64, score_from=70)
     reference = full["fp16"]
     assert np.all(reference.kl == 0) and reference.top1_agrees.all()
-    assert (full["rotated:3:32"].kl > 0).any() and (full["rotated:3:32"].kl >= -1e-6).all()
+    assert (full["rotated:k3v3:g32"].kl > 0).any() and (full["rotated:k3v3:g32"].kl >= -1e-6).all()
     # Scoring from token 70 keeps exactly the predictions of tokens 71.. (the same numbers: the caches saw
     # the same chunks), and every cache held all 129 fed tokens.
     assert tail["fp16"].nll.shape == (129 - 70,)
-    np.testing.assert_allclose(tail["rotated:3:32"].nll, full["rotated:3:32"].nll[70:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(tail["rotated:k3v3:g32"].nll, full["rotated:k3v3:g32"].nll[70:], rtol=0, atol=1e-5)
     fp16_bytes = 129 * 2 * 2 * 2 * 32 * 2  # tokens x (K, V) x layers x kv heads x head_dim x 2 bytes
     assert reference.held_bytes == 256 * fp16_bytes // 129  # buffers grow in steps of 256 tokens
     with pytest.raises(ValueError, match="reference"):
@@ -75,10 +79,10 @@ def test_token_stats_against_the_reference_and_scoring_window() -> None:
     ("spec", "input_dtype", "bits"),
     [
         ("fp16", mx.float32, 16.0),
-        ("affine:4:64", mx.float32, 4.5),  # 4 bits + an fp16 scale and bias per 64 values
-        ("affine:3/2:32", mx.float32, 3.5),
-        ("mlx-q:4", mx.float32, 5.0),  # mlx-lm keeps scales and biases in the input dtype: fp32 here
-        ("mlx-q:4", mx.bfloat16, 4.5),
+        ("affine:k4v4:g64", mx.float32, 4.5),  # 4 bits + an fp16 scale and bias per 64 values
+        ("affine:k3v2:g32", mx.float32, 3.5),
+        ("mlx-q:k4v4", mx.float32, 5.0),  # mlx-lm keeps scales and biases in the input dtype: fp32 here
+        ("mlx-q:k4v4", mx.bfloat16, 4.5),
         ("mlx-kv", mx.float32, 32.0),
     ],
 )
@@ -119,22 +123,93 @@ def test_summarize() -> None:
 
 
 def test_spec_parsing_and_labels() -> None:
-    spec = parse_spec("rotated:3/2:32+w128+s4")
+    spec = parse_spec("rotated:k3v2:g32:w128:s4")
     assert (spec.family, spec.method, spec.key_bits, spec.value_bits, spec.group_size) == ("velox", "rotated", 3, 2, 32)
     assert (spec.residual_window, spec.sink_tokens) == (128, 4)
     assert spec.label == "rotated K3/V2 g32 w128 s4"
-    assert spec.options == {"prefill_attention": "auto"}
-    config = spec.velox_config().validate(64)
-    assert (config.key_bits, config.value_bits, config.residual_window, config.sink_tokens) == (3, 2, 128, 4)
+    assert spec.options == {"prefill_attention": "auto"}  # the harness's default for compressed caches
+    assert spec.velox_config() == KVCacheConfig.parse("rotated:k3v2:g32:w128:s4:prefill_attention=auto")
+    assert spec.canonical == "rotated:k3v2:g32:w128:s4"
+    assert parse_spec("affine:k4v4:prefill_attention=fused").options == {"prefill_attention": "fused"}
     assert parse_spec("fp16").options == {} and parse_spec("fp16").nominal_bits == 16
-    assert parse_spec("mlx-q:4").label == "mlx-lm Q4 g64"
-    assert parse_spec("vq:turboquant_rvq:2").label == "veloxquant turboquant_rvq 2-bit"
-    assert parse_spec("turboquant:4/3").nominal_bits == 3.5
-    for bad in ("rotated:x", "nosuchmethod:4", "rotated:4:64+q3"):
-        with pytest.raises(ConfigError):
+    assert parse_spec("mlx-q:k4v4").label == "mlx-lm Q4 g64" and parse_spec("mlx-q:k4v4:g32").group_size == 32
+    assert parse_spec("vq:turboquant_rvq:k2v2").label == "veloxquant turboquant_rvq 2-bit"
+    assert parse_spec("turboquant:k4v3").nominal_bits == 3.5
+    assert parse_spec("turboquant").label == "turboquant 4"  # no bits: the method's default
+    for bad, fragment in (("rotated:x", "'x' is not a setting"), ("nosuchmethod:k4", "Unknown KV cache method"),
+                          ("rotated:k4v4:q3", "'q3' is not a setting"), ("kivi:4:64", "'4' is not a setting"),
+                          ("mlx-q:k4v2", "equal key and value bits"), ("mlx-q:k4v4:w8", "equal key and value bits"),
+                          ("vq:kivi:k4v4:g32", "equal key and value bits")):
+        with pytest.raises(ConfigError, match=fragment):
             parse_spec(bad)
     with pytest.raises(ConfigError, match="twice"):
         parse_specs("fp16,fp16")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("fp16", "fp16"),
+        ("kivi:4:64", "kivi:k4v4:g64"),
+        ("kivi:4/4:64", "kivi:k4v4:g64"),
+        ("rotated:3/2:32+w128+s4", "rotated:k3v2:g32:w128:s4"),
+        ("turboquant:3", "turboquant:k3v3"),
+        ("rvq:2", "rvq:k2v2"),
+        ("kivi", "kivi"),
+        ("mlx-q:4", "mlx-q:k4v4"),
+        ("mlx-q:4:32", "mlx-q:k4v4:g32"),
+        ("mlx-kv", "mlx-kv"),
+        ("vq:turboquant_rvq:2", "vq:turboquant_rvq:k2v2"),
+    ],
+)
+def test_old_result_specs_read_as_the_cache_they_named(old: str, new: str) -> None:
+    """Result files written before the one spec syntax name caches the old way; they read as the same cache, with
+    the same label, as today's spelling (old compressed specs got prefill_attention=auto, as today's do)."""
+    from benchmarks.harness.specs import read_legacy_spec, read_result_spec
+
+    then, now = read_result_spec(old), parse_spec(new)
+    assert then == read_legacy_spec(old) if old not in ("fp16", "mlx-kv", "kivi") else then == parse_spec(old)
+    assert (then.family, then.config, then.label, then.nominal_bits) == (now.family, now.config, now.label,
+                                                                         now.nominal_bits)
+    assert then.text == old and then.canonical == now.canonical == parse_spec(now.canonical).canonical
+    with pytest.raises(ConfigError, match="not a cache spec of the old syntax"):
+        read_legacy_spec(new + ":g32" if ":" in new else new + "!")
+
+
+def test_every_committed_result_spec_reads_and_round_trips() -> None:
+    """Every spec named in benchmarks/results reads (old syntax or new) and its canonical spelling builds the same
+    cache; the harness's default lists use today's syntax only."""
+    from benchmarks.harness import specs as spec_lists
+    from benchmarks.harness.common import ROOT
+    from benchmarks.harness.specs import read_legacy_spec, read_result_spec
+
+    def spec_texts(node: object, in_switch: bool = False) -> set[str]:
+        found: set[str] = set()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "spec" and isinstance(value, str):
+                    found.add(value)
+                if in_switch and isinstance(value, dict) and "label" in value:
+                    found.add(key)
+                found |= spec_texts(value, in_switch or key == "switch")
+        elif isinstance(node, list):
+            for item in node:
+                found |= spec_texts(item, in_switch)
+        return found
+
+    texts: set[str] = set()
+    for path in (ROOT / "benchmarks" / "results").rglob("*.json"):
+        texts |= spec_texts(json.loads(path.read_text()))
+    assert len(texts) > 40 and "kivi:4:64" in texts and "mlx-q:4" in texts
+    for text in texts:
+        spec = read_result_spec(text)
+        again = parse_spec(spec.canonical)
+        assert (again.family, again.config, again.label) == (spec.family, spec.config, spec.label), text
+    lists = [getattr(spec_lists, name) for name in dir(spec_lists) if name.endswith("_SPECS") or name.endswith("_QUICK")]
+    for text in {text for names in lists for text in names} - {"fp16", "fp32", "mlx-kv"}:
+        assert parse_spec(parse_spec(text).canonical).config == parse_spec(text).config
+        with pytest.raises(ConfigError):
+            read_legacy_spec(text)  # today's syntax only
 
 
 def test_default_spec_lists_are_valid_for_the_default_model() -> None:
@@ -148,11 +223,11 @@ def test_level_specs_follow_the_level_table() -> None:
     from engine.planning.recommend import LEVELS
 
     specs = level_specs()
-    compressed = [level for level in LEVELS if level.method not in ("fp16", "fp32")]
+    compressed = [level for level in LEVELS if level.config.method not in ("fp16", "fp32")]
     assert len(specs) == len(compressed)
     for text, level in zip(specs, compressed, strict=True):
         spec = parse_spec(text)
-        assert (spec.method, spec.key_bits, spec.value_bits) == (level.method, level.key_bits, level.value_bits)
+        assert spec.config == replace(level.config, options={"prefill_attention": "auto"})
 
 
 # ----- quality bookkeeping ------------------------------------------------------------------------------------
@@ -193,28 +268,28 @@ def test_needle_prompt_places_the_needle_and_keeps_the_length() -> None:
 
 
 def test_combine_needle_and_agreement() -> None:
-    specs = parse_specs("fp16,rotated:4:64")
+    specs = parse_specs("fp16,rotated:k4v4:g64")
     trials = [
         {"length": 1024, "depth": d, "seed": 0, "text": "t",
          "results": {"fp16": {"answer_logprob": -1.0, "exact": True},
-                     "rotated:4:64": {"answer_logprob": lp, "exact": ok}}}
+                     "rotated:k4v4:g64": {"answer_logprob": lp, "exact": ok}}}
         for d, lp, ok in ((0.0, -1.5, True), (1.0, -3.0, False))
     ]
     summary = {row["spec"]: row for row in combine_needle(trials, specs)["summary"]}
-    assert summary["fp16"]["recall"] == 1.0 and summary["rotated:4:64"]["recall"] == 0.5
-    assert summary["rotated:4:64"]["delta_logprob"] == pytest.approx(-1.25)
-    assert summary["rotated:4:64"]["by_depth"]["1"]["recall"] == 0.0
+    assert summary["fp16"]["recall"] == 1.0 and summary["rotated:k4v4:g64"]["recall"] == 0.5
+    assert summary["rotated:k4v4:g64"]["delta_logprob"] == pytest.approx(-1.25)
+    assert summary["rotated:k4v4:g64"]["by_depth"]["1"]["recall"] == 0.0
 
-    generations = {"fp16": [[1, 2, 3, 4], [5, 6, 7, 8]], "rotated:4:64": [[1, 2, 9, 4], [5, 6, 7, 8]]}
+    generations = {"fp16": [[1, 2, 3, 4], [5, 6, 7, 8]], "rotated:k4v4:g64": [[1, 2, 9, 4], [5, 6, 7, 8]]}
     rows = {row["spec"]: row for row in combine_agreement(generations, specs)}
-    assert rows["rotated:4:64"]["match_rate"] == pytest.approx((2 / 4 + 1) / 2)
-    assert rows["rotated:4:64"]["mean_first_divergence"] == pytest.approx(3.0)
-    assert rows["rotated:4:64"]["identical"] == 0.5
-    assert rows["rotated:4:64"]["positionwise_agreement"] == pytest.approx((3 / 4 + 1) / 2)
+    assert rows["rotated:k4v4:g64"]["match_rate"] == pytest.approx((2 / 4 + 1) / 2)
+    assert rows["rotated:k4v4:g64"]["mean_first_divergence"] == pytest.approx(3.0)
+    assert rows["rotated:k4v4:g64"]["identical"] == 0.5
+    assert rows["rotated:k4v4:g64"]["positionwise_agreement"] == pytest.approx((3 / 4 + 1) / 2)
 
 
 def test_combine_perplexity_pools_windows() -> None:
-    specs = parse_specs("fp16,affine:4:64")
+    specs = parse_specs("fp16,affine:k4v4:g64")
     rng = np.random.default_rng(0)
     window_list = []
     for _ in range(2):
@@ -222,11 +297,11 @@ def test_combine_perplexity_pools_windows() -> None:
         window_list.append({
             "fp16": {"nll": base.tolist(), "kl": [0.0] * 128, "top1": [1] * 128, "seconds": 1.0,
                      "held_bytes": 1000 * 2 * 16 // 8, "tokens": 1000},
-            "affine:4:64": {"nll": (base + 0.05).tolist(), "kl": [0.01] * 128, "top1": [1, 0] * 64, "seconds": 1.0,
+            "affine:k4v4:g64": {"nll": (base + 0.05).tolist(), "kl": [0.01] * 128, "top1": [1, 0] * 64, "seconds": 1.0,
                             "held_bytes": 1000 * 2 * 4.5 // 8, "tokens": 1000},
         })
     rows = {row["spec"]: row for row in combine_perplexity(window_list, specs, n_layers=1, n_kv_heads=1, head_dim=1)}
-    row = rows["affine:4:64"]
+    row = rows["affine:k4v4:g64"]
     assert row["scored_tokens"] == 256
     assert row["delta_nll"] == pytest.approx(0.05) and row["delta_nll_se"] == pytest.approx(0.0, abs=1e-12)
     assert row["ppl_ratio"] == pytest.approx(np.exp(0.05))
@@ -489,37 +564,40 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
 def test_same_cache_and_with_extra() -> None:
     from benchmarks.harness.specs import same_cache, with_extra
 
-    assert same_cache(parse_spec("turboquant:3"), parse_spec("turboquant:3/3:64"))
-    assert same_cache(parse_spec("rotated:4:64"), parse_spec("rotated:4/4:64"))
-    assert not same_cache(parse_spec("rotated:4:64"), parse_spec("rotated:4:32"))
-    assert not same_cache(parse_spec("mlx-q:4"), parse_spec("affine:4:64"))
-    merged = with_extra(parse_specs("fp16,rotated:4:64"), parse_specs("rotated:4/4:64,turboquant:2"))
-    assert [spec.text for spec in merged] == ["fp16", "rotated:4:64", "turboquant:2"]
+    assert same_cache(parse_spec("turboquant:k3v3"), parse_spec("turboquant:k3v3:g64"))
+    assert same_cache(parse_spec("rotated:k4v4:g64"), parse_spec("rotated:k4"))
+    assert not same_cache(parse_spec("rotated:k4v4:g64"), parse_spec("rotated:k4v4:g32"))
+    assert not same_cache(parse_spec("mlx-q:k4v4"), parse_spec("affine:k4v4:g64"))
+    assert same_cache(parse_spec("mlx-q:k4v4"), parse_spec("mlx-q:k4v4:g64"))
+    merged = with_extra(parse_specs("fp16,rotated:k4v4:g64"), parse_specs("rotated:k4,turboquant:k2v2"))
+    assert [spec.text for spec in merged] == ["fp16", "rotated:k4v4:g64", "turboquant:k2v2"]
 
 
 # ----- the level table follows the committed sweep ----------------------------------------------------------------
 
 
 def _row(spec: str, kl: float) -> dict:
-    parsed = parse_spec(spec)
+    parsed = parse_spec(spec)  # today's syntax; the committed results use the old one (the next test)
     return {"spec": spec, "family": parsed.family, "method": parsed.method, "mean_kl": kl}
 
 
 def test_level_rule_budgets_eligibility_and_ties() -> None:
     from benchmarks.harness.levels import budget_bits, select_levels
 
-    assert budget_bits("rotated:4:64") == 4.5 and budget_bits("turboquant:3") == 3.125
+    assert budget_bits("rotated:k4v4:g64") == 4.5 and budget_bits("turboquant:k3v3") == 3.125
+    assert budget_bits("rotated:4:64") == 4.5  # a committed result's old spelling
     rows = [
         _row("fp16", 0.0),
-        _row("rotated:8:64", 0.0002), _row("affine:8:64", 0.0004),  # a tie: the one without a rotation wins
-        _row("kivi:4:32", 0.03),  # 5.0 bits: only fits the 8-bit budget
-        _row("rotated:4:64", 0.06), _row("affine:4:64", 0.11),
-        _row("turboquant:3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
-        _row("rotated:3/2:32", 0.29), _row("kivi:3:64", 0.2),
-        _row("mlx-q:2", 0.0),  # not a Velox method
+        _row("rotated:k8v8:g64", 0.0002), _row("affine:k8v8:g64", 0.0004),  # a tie: the one without a rotation wins
+        _row("kivi:k4v4:g32", 0.03),  # 5.0 bits: only fits the 8-bit budget
+        _row("rotated:k4v4:g64", 0.06), _row("affine:k4v4:g64", 0.11),
+        _row("turboquant:k3v3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
+        _row("rotated:k3v2:g32", 0.29), _row("kivi:k3v3:g64", 0.2),
+        _row("mlx-q:k2v2", 0.0),  # not a Velox method
     ]
     chosen = {key: value["row"]["spec"] for key, value in select_levels(rows).items()}
-    assert chosen == {"8": "affine:8:64", "4": "rotated:4:64", "3": "kivi:3:64"}  # nothing fused fits 2.5 bits
+    # nothing fused fits 2.5 bits
+    assert chosen == {"8": "affine:k8v8:g64", "4": "rotated:k4v4:g64", "3": "kivi:k3v3:g64"}
 
 
 def test_level_table_follows_the_committed_quality_sweep() -> None:
@@ -533,7 +611,17 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     chosen = select_levels(rows)
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
-        level = level_by_key(key)
-        assert (level.method, level.key_bits, level.value_bits, level.group_size, level.residual_window) == (
-            level_config(choice["row"])
-        ), key
+        assert level_by_key(key).config == level_config(choice["row"]), key
+
+
+def test_importing_the_harness_does_not_load_mlx() -> None:
+    """`velox bench` imports the harness before the CPU fast path is prepared, so it must not import MLX."""
+    import subprocess
+    import sys
+
+    from benchmarks.harness.common import ROOT
+
+    code = ("import sys, benchmarks.harness.cli, benchmarks.harness.specs, benchmarks.harness.levels; "
+            "print('mlx' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.strip() == "False"

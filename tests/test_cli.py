@@ -73,3 +73,41 @@ def test_methods_lists_every_registered_method_with_effective_bits():
     for name in known_methods():
         assert f"\n{name}: " in "\n" + result.stdout
     assert "rotated" in result.stdout and "4→4.50" in result.stdout  # 4-bit codes + fp16 scale/bias per 64
+
+
+def test_kv_takes_a_method_or_a_full_cache_spec():
+    import argparse
+
+    from app.commands import _cache_config
+    from engine.errors import ConfigError
+    from engine.kvcache import KVCacheConfig
+    from engine.planning.recommend import level_by_key
+
+    def config(kv: str | None, kv_bits: int | None) -> KVCacheConfig | None:
+        return _cache_config(argparse.Namespace(kv=kv, kv_bits=kv_bits))
+
+    assert config(None, None) is None
+    assert config(None, 3) == level_by_key("3").config  # the app's 3-bit level
+    assert config("rotated", None) == KVCacheConfig("rotated")
+    assert config("rotated", 3) == KVCacheConfig("rotated", 3, 3)
+    assert config("rotated:k3v2:g32:w128:s4", None) == KVCacheConfig(
+        "rotated", 3, 2, 32, residual_window=128, sink_tokens=4)
+    for kv, bits, fragment in (("rotated:k3", 4, "already gives the bits"), ("kivi:4:64", None, "is not a setting")):
+        try:
+            config(kv, bits)
+        except ConfigError as error:
+            assert fragment in str(error)
+        else:
+            raise AssertionError(f"--kv {kv} --kv-bits {bits} was accepted")
+
+
+def test_chat_with_a_full_cache_spec(default_model_path):
+    result = velox("chat", "--kv", "kivi:k4v4:g64:w16", "--prompt", "What is the capital of France?",
+                   "--max-tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    bad = velox("chat", "--kv", "kivi:k4v4:q9", "--prompt", "hi")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: Cannot read the KV cache spec 'kivi:k4v4:q9': 'q9' is not a setting. Write one token without "
+        "spaces, METHOD[:kKvV][:gG][:wN][:sN][:seed=N][:rotation=NAME][:OPTION=VALUE]..., e.g. kivi:k4v4:g64."]

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
+from engine.kvcache.config import KVCacheConfig
 from engine.models.catalog import DEFAULT_MODEL_SPEC, ModelInfo
 from engine.planning.recommend import (
     LEVEL_KEYS,
@@ -138,9 +139,14 @@ def test_cache_bytes_follow_the_formula() -> None:
     assert cache_bytes(LLAMA_8B, 0, "4") == 0
 
 
-def test_registry_bits_match_the_documented_fallback_formula() -> None:
+def test_level_bits_are_the_registry_formula_of_their_config() -> None:
+    from engine.kvcache.registry import get_method
+
     for level in LEVELS:
-        assert level.effective_bits == pytest.approx(level._fallback_bits(128)), level.key
+        formula = get_method(level.config.method).effective_bits_per_value(level.config, 128)
+        assert level.effective_bits == formula, level.key
+    assert level_by_key("16").effective_bits == 16.0
+    assert level_by_key("8").effective_bits == 8.5
     assert level_by_key("4").effective_bits == 4.5
     assert level_by_key("2").effective_bits == 2.5  # 2-bit codes + an fp16 scale and bias per 64 values
 
@@ -151,8 +157,8 @@ def test_estimate_matches_a_real_cache(key: str) -> None:
     from engine.kvcache.registry import get_method
 
     level = level_by_key(key)
-    config = level.to_config().validate(SMOLLM2.head_dim)
-    cache = get_method(level.method)(config, layer_index=0)
+    config = level.config.validate(SMOLLM2.head_dim)
+    cache = get_method(config.method)(config, layer_index=0)
     keys = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
     values = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
     cache.update_and_fetch(keys, values)
@@ -163,11 +169,11 @@ def test_estimate_matches_a_real_cache(key: str) -> None:
 
 def test_levels_make_valid_configs() -> None:
     assert [row[0] for row in LEVEL_TABLE] == ["16", "8", "4", "3", "2"]
-    for level in LEVELS:
-        config = level.to_config().validate(128)
-        assert (config.method, config.key_bits, config.value_bits, config.group_size) == (
-            level.method, level.key_bits, level.value_bits, level.group_size,
-        )
+    for (key, label, spec, note), level in zip(LEVEL_TABLE, LEVELS, strict=True):
+        assert (level.key, level.label, str(level.config), level.quality_note) == (key, label, spec, note)
+        assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
+    assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
+    assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64)
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 

@@ -21,7 +21,7 @@ def server(smollm):
     from engine.planning.recommend import level_by_key
     from engine.serve.server import ServeOptions, VeloxServer
 
-    served = VeloxServer(ServeOptions(port=0, cache_config=level_by_key("4").to_config()), loaded=smollm)
+    served = VeloxServer(ServeOptions(port=0, cache_config=level_by_key("4").config), loaded=smollm)
     served.start()
     yield served
     served.stop()
@@ -215,7 +215,7 @@ def test_prompt_cache_is_bounded_by_the_bytes_it_really_holds(smollm):
     from engine.serve.provider import VeloxPromptCache, serving_cache_factory
 
     model, tokenizer, _ = smollm
-    factory = serving_cache_factory(level_by_key("4").to_config())
+    factory = serving_cache_factory(level_by_key("4").config)
 
     def filled(tokens: list[int]) -> list:
         caches = factory(model)

@@ -62,7 +62,7 @@ class Plan:
     check_tokens: int = 192
     # fp32 storage must agree across chunk sizes to float rounding; fp16 storage re-rounds K/V, so tiny
     # upstream differences between the one-token and the chunked GEMM paths flip some fp16 roundings.
-    check_specs: tuple[str, ...] = ("fp32", "fp16", "affine:4:64")
+    check_specs: tuple[str, ...] = ("fp32", "fp16", "affine:k4v4:g64")
     quality_specs: tuple[str, ...] = spec_lists.QUALITY_SPECS
     # needle
     needle_lengths: tuple[int, ...] = (1024, 2048, 4096, 8192)
@@ -218,7 +218,7 @@ class Context:
 
 def run_quality(ctx: Context) -> dict[str, Any]:
     from benchmarks.harness.quality import combine_agreement, combine_needle, combine_perplexity
-    from benchmarks.harness.specs import parse_specs, with_extra
+    from benchmarks.harness.specs import parse_spec, parse_specs, read_result_spec, same_cache, with_extra
     from benchmarks.harness.worker import run_tasks
 
     plan = ctx.plan
@@ -283,15 +283,17 @@ def run_quality(ctx: Context) -> dict[str, Any]:
             # by float rounding only (e.g. a faster softmax), far below any row's standard error.
             if abs(old_fp16 - new_fp16) > FP16_REFERENCE_TOLERANCE:
                 raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
-            added = {r["spec"] for r in rows}
-            rows = [r for r in previous_ppl["rows"] if r["spec"] not in added] + rows
+            # The earlier rows may name their caches in the old spec syntax: compare the caches, not the text.
+            added = [parse_spec(r["spec"]) for r in rows]
+            rows = [r for r in previous_ppl["rows"]
+                    if not any(same_cache(read_result_spec(r["spec"]), spec) for spec in added)] + rows
             payload["perplexity"] = {**previous_ppl, "rows": rows}
         else:
             payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
             payload["chunking_check"] = results[0].get("chunking_check", {})
 
     if "needle" in parts or "agreement" in parts:
-        followed = ["fp16", *level_specs(), "mlx-q:4"]
+        followed = ["fp16", *level_specs(), "mlx-q:k4v4"]
         follow_specs = parse_specs(ctx.args.specs or followed)
 
     if "needle" in parts:

@@ -1,6 +1,6 @@
 """Synthetic Llama-3.1-8B-shaped attention decode on a GPU (MLX's CUDA or Metal backend), with the physical bound.
 
-    python -m benchmarks.harness.gpu --out gpu.json [--contexts 4096,8192,...] [--specs fp16,affine:4:64,...]
+    python -m benchmarks.harness.gpu --out gpu.json [--contexts 4096,8192,...] [--specs fp16,affine:k4v4:g64,...]
 
 One decode step is the attention of one new token in each of 32 layers (32 query heads grouped onto 8 kv
 heads of head_dim 128, bf16) over that layer's cache of N tokens; the 32 layers' caches are distinct, so a
@@ -29,8 +29,8 @@ import mlx.core as mx
 
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_SPECS = (
-    "fp16", "mlx-kv", "mlx-q:8", "mlx-q:4", "affine:8:64", "affine:4:64", "rotated:4:64", "rotated:3:32",
-    "kivi:4:32", "turboquant:4", "turboquant:3", "rvq:3",
+    "fp16", "mlx-kv", "mlx-q:k8v8", "mlx-q:k4v4", "affine:k8v8:g64", "affine:k4v4:g64", "rotated:k4v4:g64",
+    "rotated:k3v3:g32", "kivi:k4v4:g32", "turboquant:k4v4", "turboquant:k3v3", "rvq:k3v3",
 )
 N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 32, 8, 128
 FILL_CHUNK = 16384
@@ -125,7 +125,8 @@ def probe_shapes(out_path: Path, context: int = 512) -> list[dict[str, Any]]:
                 for group in (g for g in (32, 64, 128) if head_dim % g == 0):
                     for n_queries in (1, 4, 64):
                         queries = mx.random.normal((1, 8, n_queries, head_dim)).astype(dtype)
-                        for text in (f"mlx-q:{bits}:{group}", f"affine:{bits}:{group}", f"kivi:{bits}:{group}"):
+                        for text in (f"mlx-q:k{bits}v{bits}:g{group}", f"affine:k{bits}v{bits}:g{group}",
+                                     f"kivi:k{bits}v{bits}:g{group}"):
                             row = {"spec": text, "dtype": dtype_name, "head_dim": head_dim, "queries": n_queries}
                             try:
                                 spec = parse_spec(text)

@@ -16,7 +16,11 @@ and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # engine.kvcache loads MLX (see benchmarks/harness/cli.py)
+    from engine.kvcache.config import KVCacheConfig
 
 LEVEL_BUDGET_BITS = {"8": 8.5, "4": 4.5, "3": 3.5, "2": 2.5}
 TIE_NATS = 0.001
@@ -29,23 +33,15 @@ def level_specs() -> list[str]:
     """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider)."""
     from engine.planning.recommend import LEVELS
 
-    out = []
-    for level in LEVELS:
-        if level.method in ("fp16", "fp32"):
-            continue
-        text = f"{level.method}:{level.key_bits}/{level.value_bits}:{level.group_size}"
-        if level.residual_window:
-            text += f"+w{level.residual_window}"
-        out.append(text)
-    return out
+    return [str(level.config) for level in LEVELS if level.config.method not in ("fp16", "fp32")]
 
 
 def budget_bits(spec_text: str) -> float:
     """Effective bits per value of a Velox spec at head_dim 128, long-context limit."""
-    from benchmarks.harness.specs import parse_spec
+    from benchmarks.harness.specs import read_result_spec
     from engine.kvcache import get_method
 
-    config = parse_spec(spec_text).velox_config()
+    config = read_result_spec(spec_text).velox_config()
     return float(get_method(config.method).effective_bits_per_value(config, REFERENCE_HEAD_DIM))
 
 
@@ -73,9 +69,10 @@ def select_levels(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return chosen
 
 
-def level_config(row: dict[str, Any]) -> tuple[str, int, int, int, int]:
-    """(method, key bits, value bits, group size, residual window) of a chosen row, as LEVEL_TABLE holds it."""
-    from benchmarks.harness.specs import parse_spec
+def level_config(row: dict[str, Any]) -> KVCacheConfig:
+    """The KVCacheConfig a level built from a chosen row holds: the row's cache, validated, without the
+    harness's own prefill setting (benchmarks.harness.specs adds prefill_attention=auto)."""
+    from benchmarks.harness.specs import read_result_spec
 
-    config = parse_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
-    return (config.method, config.key_bits, config.value_bits, config.group_size, config.residual_window)
+    config = read_result_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
+    return replace(config, options={k: v for k, v in config.options.items() if k != "prefill_attention"})

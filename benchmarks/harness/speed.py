@@ -140,7 +140,7 @@ def switch_times(snapshot: Path, targets: Sequence[CacheSpec], contexts: Sequenc
         fill(source, keys, values, 0, context, dtype)
         per_target = {}
         for spec in targets:
-            config = spec.velox_config()
+            config = KVCacheBuilder(spec.velox_config()).for_shape(shape).config  # validated, as the session does
             seconds = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 began = time.perf_counter()

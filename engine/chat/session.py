@@ -21,8 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from engine.chat.documents import Document
 from engine.errors import CancelledError, ContextOverflowError, VeloxError
-from engine.kvcache import KVCacheBuilder, KVCacheConfig
-from engine.kvcache.builder import dense_chunks
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, reencode_caches, reencode_into
 from engine.planning.memory import kv_cache_bytes
 from engine.runtime.cpu import attention as cpu_attention
 
@@ -292,6 +291,17 @@ class ChatSession:
             offset = self.cache_offset
         self.cached_tokens = list(known_tokens[:offset])
 
+    def _trim_layers_to(self, n_tokens: int) -> None:
+        """Make every layer hold exactly the first `n_tokens` of `cached_tokens` (each layer trimmed on its
+        own; a cache that cannot be trimmed is started afresh)."""
+        if not can_trim_prompt_cache(self.prompt_cache):
+            self.reset_cache()
+            return
+        for cache in self.prompt_cache:
+            if cache.offset > n_tokens:
+                cache.trim(cache.offset - n_tokens)
+        self.cached_tokens = self.cached_tokens[:n_tokens]
+
     def reset_cache(self) -> None:
         self.prompt_cache = self._cache_factory(self.model)
         self.cached_tokens = []
@@ -323,10 +333,9 @@ class ChatSession:
                 return KVCacheBuilder(_config).for_model(model).build()
 
         upgrading = self._precision_rank(config) > self._precision_rank(self.compression)
-        new_cache = factory(self.model)
         tokens = list(self.cached_tokens)
         if reprefill and tokens:
-            old_cache, self.prompt_cache = self.prompt_cache, new_cache
+            old_cache, self.prompt_cache = self.prompt_cache, factory(self.model)
             self.cached_tokens = []
             try:
                 for _ in self._prefill(tokens, threading.Event()):
@@ -336,9 +345,13 @@ class ChatSession:
                 raise
             note = "Rebuilt the cache by re-reading the conversation at the new precision."
         else:
-            if tokens:
-                for old_layer, new_layer in zip(self.prompt_cache, new_cache, strict=True):
-                    _copy_layer(old_layer, new_layer, chunk_tokens)
+            # The one re-encode path (engine.kvcache.builder), which `velox bench speed` times.
+            if not tokens:
+                new_cache = factory(self.model)
+            elif config is None:
+                new_cache = reencode_into(self.prompt_cache, factory(self.model), chunk_tokens)
+            else:
+                new_cache = reencode_caches(self.prompt_cache, config, chunk_tokens)
             self.prompt_cache = new_cache
             note = "Re-encoded the held cache."
             if upgrading and tokens:
@@ -397,42 +410,51 @@ class ChatSession:
         """Add a user message and stream the reply: PrefillProgress*, TextChunk*, then GenerationStats.
 
         The history gets the user message and the (possibly partial, if cancelled) reply."""
+        user = Message("user", text, list(self.pending_documents))
+        yield from self._turn(self.history, user, settings)
+
+    def regenerate(self, settings: GenerationSettings | None = None) -> Iterator[Event]:
+        """Answer the last user message again, in place of the last reply (which stays until the new turn
+        starts: if it cannot, e.g. the conversation no longer fits, nothing changes)."""
+        if len(self.history) < 2 or self.history[-1].role != "assistant" or self.history[-2].role != "user":
+            raise VeloxError("There is no reply to regenerate.")
+        asked = self.history[-2]
+        user = Message("user", asked.content, [*asked.documents, *self.pending_documents])
+        yield from self._turn(self.history[:-2], user, settings)
+
+    def _turn(self, earlier: list[Message], user: Message, settings: GenerationSettings | None) -> Iterator[Event]:
+        """Answer `user` after the messages `earlier`, which become the history with the reply."""
         settings = settings or self.settings
         previous, self.settings = self.settings, settings
         try:
-            yield from self._send(text, settings)
+            yield from self._answer(earlier, user, settings)
         finally:
             self.settings = previous
 
-    def regenerate(self, settings: GenerationSettings | None = None) -> Iterator[Event]:
-        """Drop the last reply and answer the last user message again."""
-        if not self.history or self.history[-1].role != "assistant":
-            raise VeloxError("There is no reply to regenerate.")
-        self.history.pop()
-        user = self.history.pop()
-        self.pending_documents = list(user.documents) + self.pending_documents
-        yield from self.send(user.content, settings)
-
-    def _send(self, text: str, settings: GenerationSettings) -> Iterator[Event]:
+    def _answer(self, earlier: list[Message], user: Message, settings: GenerationSettings) -> Iterator[Event]:
+        """The turn. Everything that can refuse it (the overflow check) runs before the session changes. A
+        failure inside the model puts history and attached documents back as they were and leaves the cache
+        holding exactly `cached_tokens`; a cancel or an abandoned stream keeps the partial reply."""
         self._cancel.clear()
-        user = Message("user", text, list(self.pending_documents))
-        candidate = [*self.history, user]
+        candidate = [*earlier, user]
         _fitted, tokens, notices = self._fit_to_context(candidate)
         for notice in notices:
             yield Notice(notice)
-        self.pending_documents.clear()
-        self.history = candidate
         if settings.seed is not None:
             mx.random.seed(settings.seed)
         mx.reset_peak_memory()
 
         start = time.perf_counter()
-        reused = self._sync_cache_to(tokens)
+        reused = self._sync_cache_to(tokens)  # the cache keeps agreeing with cached_tokens
+        history_before, documents_before = self.history, self.pending_documents
+        self.pending_documents = []
+        self.history = candidate
         reply_tokens: list[int] = []
         stop_token: list[int] = []
         reply_text = ""
         finish_reason = "cancelled"
         first_token_time = None
+        failed = False
         try:
             yield from self._prefill(tokens[reused:-1], self._cancel)
             if not self._cancel.is_set():
@@ -459,14 +481,23 @@ class ChatSession:
                             break
                 finally:
                     responses.close()
+        except Exception:
+            failed = True
+            raise
         finally:
-            # Runs on normal completion, on cancel, and when the consumer abandons the generator or is
-            # interrupted (Ctrl-C): the cache is trimmed to exactly the tokens we know, and the history
-            # records the (possibly partial) reply, so the next turn starts from a consistent state.
-            if self._cancel.is_set():
-                finish_reason = "cancelled"
-            self._settle_cache(tokens + reply_tokens + stop_token)
-            self.history.append(Message("assistant", reply_text, cancelled=finish_reason == "cancelled"))
+            if failed:
+                # A failure inside the model (e.g. out of memory) may have left some layers a chunk ahead of
+                # others: cut every layer back to the tokens known to be complete, and undo the turn.
+                self._trim_layers_to(len(self.cached_tokens))
+                self.history, self.pending_documents = history_before, documents_before
+            else:
+                # Normal completion, cancel, or a consumer that abandons the generator or is interrupted
+                # (Ctrl-C): the cache is trimmed to exactly the tokens we know, and the history records the
+                # (possibly partial) reply, so the next turn starts from a consistent state.
+                if self._cancel.is_set():
+                    finish_reason = "cancelled"
+                self._settle_cache(tokens + reply_tokens + stop_token)
+                self.history.append(Message("assistant", reply_text, cancelled=finish_reason == "cancelled"))
         end = time.perf_counter()
         prefill_time = (first_token_time or end) - start
         decode_time = end - (first_token_time or end)
@@ -513,14 +544,3 @@ def _template_refusal(error: Exception, *, has_system: bool) -> str:
     if has_system and "system" in reason.lower():
         message += " This model takes no system prompt; leave it out."
     return message
-
-
-def _copy_layer(old: Any, new: Any, chunk_tokens: int) -> None:
-    """Move one layer's tokens into `new` (a Velox cache, or mlx-lm's KVCache), a chunk at a time."""
-    if hasattr(new, "load_dense"):
-        new.load_dense(dense_chunks(old, chunk_tokens))
-        return
-    for keys, values in dense_chunks(old, chunk_tokens):
-        new.update_and_fetch(keys, values)
-        mx.eval(new.state)
-

@@ -15,7 +15,7 @@ from engine.kvcache.attention import (
     uninstall_attention_dispatch,
 )
 from engine.kvcache.base import SegmentedKVCache, VeloxKVCache
-from engine.kvcache.builder import KVCacheBuilder, ModelShape, model_shape, reencode_caches
+from engine.kvcache.builder import KVCacheBuilder, ModelShape, model_shape, reencode_caches, reencode_into
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.describe import describe_methods
 from engine.kvcache.registry import (
@@ -47,6 +47,7 @@ __all__ = [
     "method_info",
     "model_shape",
     "reencode_caches",
+    "reencode_into",
     "register_method",
     "register_with_mlx_lm",
     "uninstall_attention_dispatch",

@@ -107,6 +107,8 @@ def dense_chunks(cache: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.a
         yield from cache.iter_dense(chunk_tokens=chunk_tokens)
         return
     keys, values, offset = getattr(cache, "keys", None), getattr(cache, "values", None), cache.offset
+    if offset == 0:
+        return  # an empty mlx-lm KVCache has no arrays yet
     if keys is None or not isinstance(keys, mx.array):
         raise ConfigError(f"Cannot re-encode a {type(cache).__name__}: it does not hold plain keys and values.")
     for start in range(0, offset, chunk_tokens):
@@ -117,16 +119,28 @@ def dense_chunks(cache: Any, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.a
 def reencode_caches(
     caches: list[Any], config: KVCacheConfig, chunk_tokens: int = 1024
 ) -> list[VeloxKVCache]:
-    """New per-layer caches holding the same tokens as `caches`, stored with `config`.
+    """New per-layer caches holding the same tokens as `caches`, stored with `config` (validated already).
 
-    Each layer is decoded and re-encoded `chunk_tokens` at a time, so the extra memory at any moment is
-    one layer's new cache plus one dense chunk (the history is dequantized once, here, not per step).
-    """
+    This is the live compression switch of `ChatSession.set_compression` and what `velox bench speed`
+    times for it: see `reencode_into`."""
     cache_class = get_method(config.method)
     install_attention_dispatch()
-    new_caches = []
-    for layer_index, old in enumerate(caches):
-        new = cache_class(config, layer_index=layer_index)
-        new.load_dense(dense_chunks(old, chunk_tokens))
-        new_caches.append(new)
-    return new_caches
+    return reencode_into(caches, [cache_class(config, layer_index=i) for i in range(len(caches))], chunk_tokens)
+
+
+def reencode_into(caches: list[Any], targets: list[Any], chunk_tokens: int = 1024) -> list[Any]:
+    """Fill each empty cache of `targets` with the tokens of the same layer of `caches`; returns `targets`.
+
+    Each layer is decoded and re-encoded `chunk_tokens` at a time, so the extra memory at any moment is one
+    layer's new cache plus one dense chunk (the history is dequantized once, here, not per step). A target is
+    a Velox cache (which encodes the chunks itself) or mlx-lm's KVCache (the uncompressed "Off" level)."""
+    if len(caches) != len(targets):
+        raise ConfigError(f"Cannot re-encode {len(caches)} layers into {len(targets)}.")
+    for old, new in zip(caches, targets, strict=True):
+        if hasattr(new, "load_dense"):
+            new.load_dense(dense_chunks(old, chunk_tokens))
+            continue
+        for keys, values in dense_chunks(old, chunk_tokens):
+            new.update_and_fetch(keys, values)
+            mx.eval(new.state)  # one chunk at a time: the old layer's decoded chunks are freed as we go
+    return targets

@@ -1,16 +1,53 @@
-"""What a compressed KV cache should be: the method and its knobs, checked against a model's head_dim."""
+"""What a compressed KV cache should be: the method and its knobs, checked against a model's head_dim.
+
+A configuration is written as one spec token without spaces (`str(config)`, read by `KVCacheConfig.parse`):
+
+    METHOD[:SETTING]...          settings in any order, each at most once; omitted ones keep their defaults
+      kK  vV  kKvV               key and value bits (e.g. k4v4, k3v2; k4 alone: values like keys;
+                                 none: the method's default bits)
+      gG                         group size (channels sharing one scale; default 64)
+      wN                         residual window: the N most recent tokens stay in 16-bit floats
+      sN                         sink tokens: the first N tokens stay in 16-bit floats
+      seed=N                     seed of the random rotations (default 0)
+      rotation=NAME              rotation kind (default hadamard)
+      NAME=VALUE                 a method option: true, false, null, an integer, a float (with '.' or 'e'),
+                                 a word ([A-Za-z_][A-Za-z0-9_./-]*), or '...' (percent-escaped text)
+
+    fp16    kivi:k4v4:g64    rotated:k3v2:g32:w128:s4    turboquant:k3v3:g64:codebook=beta
+    affine:k4v4:g64:prefill_attention=dequantize-blocks
+
+`parse(str(config)) == config` for every configuration whose option names are identifiers other than the
+field names (`seed=`, `rotation=` are the fields; `validate` requires this of every option name). `parse` checks the syntax only; `validate(head_dim)`
+checks the method and whether its settings suit the model.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NoReturn
+from urllib.parse import quote, unquote
 
 from engine.errors import ConfigError
 from engine.kvcache.registry import get_method
 
 # Option values must survive a JSON round trip unchanged (they are saved with the cache).
 _OPTION_TYPES = (str, int, float, bool, type(None))
+
+# ----- the spec syntax (see the module doc) -------------------------------------------------------------------
+SPEC_FORM = "METHOD[:kKvV][:gG][:wN][:sN][:seed=N][:rotation=NAME][:OPTION=VALUE]..."
+SPEC_EXAMPLE = "kivi:k4v4:g64"
+_METHOD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_BITS = re.compile(r"(?:k(-?\d+))?(?:v(-?\d+))?")
+_TAGGED_INT = re.compile(r"([gws])(-?\d+)")
+_TAGS = {"g": "group_size", "w": "residual_window", "s": "sink_tokens"}
+_OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+_INT = re.compile(r"-?\d+")
+_FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|-?inf|nan")
+_LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None}
 
 
 @dataclass(frozen=True)
@@ -48,6 +85,11 @@ class KVCacheConfig:
                 "must be zero or positive."
             )
         for name, value in self.options.items():
+            if not isinstance(name, str) or not _OPTION_NAME.fullmatch(name) or name in _FIELD_NAMES:
+                raise ConfigError(
+                    f"Option name {name!r} cannot be used: option names are identifiers (letters, digits, "
+                    f"underscores) other than the settings {', '.join(_FIELD_NAMES)}."
+                )
             if not isinstance(value, _OPTION_TYPES):
                 raise ConfigError(
                     f"Option {name!r} has a value of type {type(value).__name__}; "
@@ -93,6 +135,80 @@ class KVCacheConfig:
     def from_json(cls, text: str) -> KVCacheConfig:
         return cls.from_dict(json.loads(text))
 
+    def __str__(self) -> str:
+        """This configuration as one spec token (see the module doc), e.g. 'rotated:k3v2:g32:w128'.
+
+        Defaults are left out, except that the group size is written whenever bits are, so a quantized
+        cache always says its group. ConfigError if the method or an option name cannot be written."""
+        if not _METHOD_NAME.fullmatch(self.method):
+            raise ConfigError(f"The method name {self.method!r} cannot be written as a spec.")
+        parts = [self.method]
+        bits = ("" if self.key_bits is None else f"k{self.key_bits}") + (
+            "" if self.value_bits is None else f"v{self.value_bits}"
+        )
+        if bits:
+            parts.append(bits)
+        if bits or self.group_size != _DEFAULT.group_size:
+            parts.append(f"g{self.group_size}")
+        if self.residual_window != _DEFAULT.residual_window:
+            parts.append(f"w{self.residual_window}")
+        if self.sink_tokens != _DEFAULT.sink_tokens:
+            parts.append(f"s{self.sink_tokens}")
+        if self.seed != _DEFAULT.seed:
+            parts.append(f"seed={self.seed}")
+        if self.rotation != _DEFAULT.rotation:
+            parts.append(f"rotation={_format_value(self.rotation)}")
+        for name in sorted(self.options):
+            if not _OPTION_NAME.fullmatch(name) or name in _FIELD_NAMES:
+                raise ConfigError(f"The option name {name!r} cannot be written as a spec.")
+            parts.append(f"{name}={_format_value(self.options[name])}")
+        return ":".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> KVCacheConfig:
+        """Read a spec token (see the module doc); ConfigError saying what is wrong and the accepted form.
+
+        Only the syntax is checked here: `validate(head_dim)` says whether the method exists and its
+        settings suit a model."""
+        if not isinstance(text, str):
+            raise ConfigError(f"A KV cache spec is text, not {type(text).__name__}.")
+        method, *settings = text.strip().split(":")
+        if not _METHOD_NAME.fullmatch(method):
+            _spec_error(text, f"{method!r} is not a method name")
+        values: dict[str, Any] = {"method": method}
+        options: dict[str, Any] = {}
+        for setting in settings:
+            name, equals, value_text = setting.partition("=")
+            if equals:
+                if not _OPTION_NAME.fullmatch(name):
+                    _spec_error(text, f"{name!r} is not a setting name")
+                value = _parse_value(text, value_text)
+                if name == "seed":
+                    if type(value) is not int:
+                        _spec_error(text, f"the seed must be an integer, not {value_text!r}")
+                    _set_once(text, values, "seed", value)
+                elif name == "rotation":
+                    if not isinstance(value, str):
+                        _spec_error(text, f"the rotation must be a name, not {value_text!r}")
+                    _set_once(text, values, "rotation", value)
+                else:
+                    _set_once(text, options, name, value)
+                continue
+            tagged = _TAGGED_INT.fullmatch(setting)
+            if tagged:
+                _set_once(text, values, _TAGS[tagged.group(1)], int(tagged.group(2)))
+                continue
+            bits = _BITS.fullmatch(setting)
+            if setting and bits:
+                if "key_bits" in values or "value_bits" in values:
+                    _spec_error(text, "it gives the bits twice")
+                key_bits, value_bits = bits.groups()
+                values["key_bits"] = None if key_bits is None else int(key_bits)
+                values["value_bits"] = None if value_bits is None else int(value_bits)
+                continue
+            _spec_error(text, f"{setting!r} is not a setting")
+        return cls(**values, options=options)
+
     def describe(self) -> str:
         """A short human label, e.g. 'rotated K4/V4 g64 (window 128, sinks 4)'."""
         label = self.method
@@ -111,3 +227,53 @@ class KVCacheConfig:
         if extras:
             label += f" ({', '.join(extras)})"
         return label
+
+
+_DEFAULT = KVCacheConfig()
+_FIELD_NAMES = tuple(f.name for f in fields(KVCacheConfig))
+
+
+def _spec_error(text: str, problem: str) -> NoReturn:
+    raise ConfigError(
+        f"Cannot read the KV cache spec {text!r}: {problem}. Write one token without spaces, "
+        f"{SPEC_FORM}, e.g. {SPEC_EXAMPLE}."
+    )
+
+
+def _set_once(text: str, target: dict[str, Any], name: str, value: Any) -> None:
+    if name in target:
+        _spec_error(text, f"it sets {name} twice")
+    target[name] = value
+
+
+def _format_value(value: Any) -> str:
+    """An option value as spec text that `_parse_value` reads back as the same value and type."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) or math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):
+        looks_like_another_type = value in _LITERALS or _FLOAT.fullmatch(value) or _INT.fullmatch(value)
+        if _WORD.fullmatch(value) and not looks_like_another_type:
+            return value
+        return "'" + quote(value, safe="/") + "'"  # ':', '=', quotes, spaces and '%' are escaped
+    raise ConfigError(
+        f"An option value of type {type(value).__name__} cannot be written as a spec; "
+        "options must be strings, numbers, booleans or None."
+    )
+
+
+def _parse_value(text: str, value_text: str) -> Any:
+    if len(value_text) >= 2 and value_text[0] == value_text[-1] == "'" and "'" not in value_text[1:-1]:
+        return unquote(value_text[1:-1])
+    if value_text in _LITERALS:
+        return _LITERALS[value_text]
+    if _INT.fullmatch(value_text):
+        return int(value_text)
+    if _FLOAT.fullmatch(value_text):
+        return float(value_text)
+    if _WORD.fullmatch(value_text):
+        return value_text
+    _spec_error(text, f"{value_text!r} is not a value (true, false, null, a number, a word or '...')")

@@ -42,17 +42,19 @@ from engine.planning.units import format_bytes
 # tests/test_bench.py fails when this table and that choice disagree. BENCHMARKS.md shows the candidates.
 # Rows run from the highest precision to the lowest; `recommend` relies on that order.
 #
-#  key    label            method     key_bits value_bits group residual_window  quality note
-LEVEL_TABLE: tuple[tuple[str, str, str, int, int, int, int, str], ...] = (
-    ("16", "Off (16-bit)", "fp16", 16, 16, 64, 0, "uncompressed"),
+# The cache of each level is one KV cache spec (`KVCacheConfig.parse`, engine/kvcache/config.py).
+#
+#  key    label            KV cache spec         quality note
+LEVEL_TABLE: tuple[tuple[str, str, str, str], ...] = (
+    ("16", "Off (16-bit)", "fp16:k16v16:g64", "uncompressed"),
     # Measured on SmolLM2 over 2 x 4096 tokens of prose (second halves scored): Δ NLL vs fp16 +0.0005,
-    ("8", "8-bit", "kivi", 8, 8, 64, 0, "practically lossless"),
+    ("8", "8-bit", "kivi:k8v8:g64", "practically lossless"),
     # +0.030 nats (perplexity +3.1%; rotated 4-bit at the same bytes: +6.9%, mlx-lm's Q4: +12.6%),
-    ("4", "4-bit", "kivi", 4, 4, 64, 0, "small quality loss"),
+    ("4", "4-bit", "kivi:k4v4:g64", "small quality loss"),
     # +0.133 nats (+14%),
-    ("3", "3-bit", "kivi", 3, 3, 64, 0, "noticeable quality loss"),
+    ("3", "3-bit", "kivi:k3v3:g64", "noticeable quality loss"),
     # +0.99 nats (perplexity x2.7): nothing that attends on packed codes does well at 2.5 bits per value.
-    ("2", "2-bit", "kivi", 2, 2, 64, 0, "poor quality: answers may be wrong or garbled"),
+    ("2", "2-bit", "kivi:k2v2:g64", "poor quality: answers may be wrong or garbled"),
 )
 
 # The uncompressed level is recommended when its cache takes less than this share of available memory:
@@ -69,8 +71,6 @@ DEFAULT_PREFILL_CHUNK = GenerationSettings.prefill_chunk
 # Attention scores and logits are computed in fp32 (activations stay fp32 on the CPU; on a GPU this is an
 # upper bound).
 _ACTIVATION_BYTES = 4
-# The fallback formula's per-group overhead: an fp16 scale and an fp16 bias per group of channels.
-_SCALE_AND_BIAS_BITS = 32
 # A head_dim every group size divides, for the model-independent `CompressionLevel.effective_bits`.
 _REFERENCE_HEAD_DIM = 128
 
@@ -81,59 +81,31 @@ class CompressionLevel:
 
     key: str
     label: str
-    method: str
-    key_bits: int
-    value_bits: int
-    group_size: int
-    residual_window: int = 0
+    config: KVCacheConfig
     quality_note: str = ""
 
     @property
     def effective_bits(self) -> float:
-        """Bits stored per cached value, scales/biases/norms included, in the long-context limit.
-
-        Taken from the KV cache registry's exact formula (`_fallback_bits` is the closed form it reduces to
-        for these methods: fp16 = 16, affine-style = mean(key_bits, value_bits) + 32 / group_size).
-        """
+        """Bits stored per cached value, scales/biases/norms included, in the long-context limit, at a
+        head_dim every group size divides (the registry's exact formula)."""
         return self.bits_per_value(_REFERENCE_HEAD_DIM)
 
     def bits_per_value(self, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1) -> float:
         """Effective bits per cached value for a model with `head_dim`, amortising 16-bit window tokens and
-        per-layer constants over `n_tokens` (None: the long-context limit). ConfigError if the level's
-        configuration does not suit `head_dim` (e.g. the group size does not divide it)."""
-        method_class = get_method(self.method)
-        return float(method_class.effective_bits_per_value(self.to_config(), head_dim, n_tokens, n_kv_heads))
-
-    def _fallback_bits(self, head_dim: int) -> float:
-        if self.method in ("fp16", "bf16"):
-            return 16.0
-        if self.method == "fp32":
-            return 32.0
-        if self.method in ("affine", "rotated", "kivi"):
-            if head_dim % self.group_size:
-                raise ConfigError(
-                    f"The {self.label} level quantizes groups of {self.group_size} channels, which does not "
-                    f"divide head_dim {head_dim}."
-                )
-            return (self.key_bits + self.value_bits) / 2 + _SCALE_AND_BIAS_BITS / self.group_size
-        raise ConfigError(f"The size of KV cache method {self.method!r} is unknown without the registry.")
-
-    def to_config(self) -> KVCacheConfig:
-        """The KVCacheConfig this level stands for."""
-        return KVCacheConfig(
-            method=self.method,
-            key_bits=self.key_bits,
-            value_bits=self.value_bits,
-            group_size=self.group_size,
-            residual_window=self.residual_window,
-        )
+        per-layer constants over `n_tokens` (None: the long-context limit), by the method's own formula in the
+        KV cache registry. ConfigError if the level's configuration does not suit `head_dim` (e.g. the group
+        size does not divide it)."""
+        method_class = get_method(self.config.method)
+        return float(method_class.effective_bits_per_value(self.config, head_dim, n_tokens, n_kv_heads))
 
 
-LEVELS: tuple[CompressionLevel, ...] = tuple(CompressionLevel(*row) for row in LEVEL_TABLE)
-LEVEL_KEYS: tuple[str, ...] = tuple(level.key for level in LEVELS)
+LEVELS: tuple[CompressionLevel, ...] = tuple(
+    CompressionLevel(key, label, KVCacheConfig.parse(spec), note) for key, label, spec, note in LEVEL_TABLE
+)
+LEVEL_KEYS: tuple[str, ...] = tuple(row[0] for row in LEVEL_TABLE)
 # The lowest level is only recommended when nothing else fits (see `recommend`).
-LAST_RESORT_LEVEL_KEY = LEVELS[-1].key
-UNCOMPRESSED_LEVEL_KEY = LEVELS[0].key
+LAST_RESORT_LEVEL_KEY = LEVEL_KEYS[-1]
+UNCOMPRESSED_LEVEL_KEY = LEVEL_KEYS[0]
 
 
 def level_by_key(key: str) -> CompressionLevel:

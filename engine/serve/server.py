@@ -1,7 +1,7 @@
 """`VeloxServer`: mlx-lm's OpenAI-compatible server (its ResponseGenerator: queueing, prompt cache reuse,
 generation) on one Velox model with Velox's KV caches, behind `VeloxAPIHandler`'s checks.
 
-    server = VeloxServer(ServeOptions(port=0, cache_config=level_by_key("4").to_config()))
+    server = VeloxServer(ServeOptions(port=0, cache_config=level_by_key("4").config))
     server.start()           # loads the model, binds, serves on a background thread
     print(server.base_url)   # http://127.0.0.1:PORT/v1
     server.stop()

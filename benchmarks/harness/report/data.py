@@ -12,7 +12,7 @@ from typing import Any
 
 from benchmarks.harness.common import log
 from benchmarks.harness.levels import budget_bits, eligible, level_specs
-from benchmarks.harness.specs import CacheSpec, parse_spec, same_cache
+from benchmarks.harness.specs import CacheSpec, parse_spec, read_result_spec, same_cache
 from engine.errors import ConfigError
 from engine.kvcache import get_method
 from engine.planning.recommend import LEVELS
@@ -97,10 +97,22 @@ def cache_spec(text: str) -> CacheSpec | None:
     """The parsed spec, or None for one this checkout cannot read (a method no longer registered in an old
     result); said once per spec, and the report then shows the spec as written."""
     try:
-        return parse_spec(text)
+        return read_result_spec(text)
     except ConfigError as error:
         log(f"report: cache spec {text!r} shown as written: {error}")
         return None
+
+
+def canonical(spec: str) -> str:
+    """A result row's spec in today's syntax, so rows written in either syntax compare (the text if unreadable)."""
+    parsed = cache_spec(spec)
+    return parsed.canonical if parsed else spec
+
+
+def is_mlx_4bit(spec: str) -> bool:
+    """Whether a result row is mlx-lm's 4-bit QuantizedKVCache (old `mlx-q:4` or new `mlx-q:k4v4`)."""
+    parsed = cache_spec(spec)
+    return parsed is not None and parsed.family == "mlx-lm" and parsed.key_bits == 4
 
 
 def label_of(spec: str) -> str:
@@ -170,9 +182,10 @@ def mlx_budgets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     codes, and Velox's affine cache with mlx-lm's bits and group size (the same quantizer, fp16 scales)."""
     out = []
     for mlx in sorted(mlx_quantized(rows), key=lambda r: -r["effective_bits"]):
-        spec = parse_spec(mlx["spec"])
+        spec = read_result_spec(mlx["spec"])
         budget = mlx["effective_bits"]
-        same = row_by_spec(rows, f"affine:{spec.key_bits}:{spec.group_size}")
+        affine = f"affine:k{spec.key_bits}v{spec.key_bits}:g{spec.group_size}"
+        same = next((r for r in rows if canonical(r["spec"]) == affine), None)
         out.append({"budget": budget, "mlx": mlx, "best": best_within(rows, budget),
                     "best_fused": best_within(rows, budget, fused_only=True), "same_quantizer": same})
     return out
@@ -181,13 +194,14 @@ def mlx_budgets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def level_matches(spec: str, level: Any) -> bool:
     """Whether a Velox spec builds the cache of an app level (engine.planning.recommend.LEVELS)."""
     parsed = cache_spec(spec)
-    if parsed is None or parsed.family != "velox" or parsed.method != level.method:
+    config = level.config
+    if parsed is None or parsed.family != "velox" or parsed.method != config.method:
         return False
-    if level.method in DENSE:
+    if config.method in DENSE:
         return True
     group = parsed.group_size or 64
     return (parsed.key_bits, parsed.value_bits, group, parsed.residual_window) == (
-        level.key_bits, level.value_bits, level.group_size, level.residual_window)
+        config.key_bits, config.value_bits, config.group_size, config.residual_window)
 
 
 def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,7 +210,7 @@ def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mlx_rows = sorted(mlx_quantized(rows), key=lambda r: r["effective_bits"])
     out = []
     for level in LEVELS:
-        if level.method in DENSE:
+        if level.config.method in DENSE:
             continue
         row = next((r for r in rows if level_matches(r["spec"], level)), None)
         mlx = None

@@ -11,6 +11,7 @@ from benchmarks.harness.report import formatting as f
 from benchmarks.harness.report.data import (
     DENSE,
     Source,
+    canonical,
     decodes_by_dequantizing,
     family_of,
     label_of,
@@ -30,8 +31,9 @@ FAMILY_STYLE = {  # colour, marker, label in legends
     "veloxquant": ("#8c564b", "D", "veloxquant-mlx (peer)"),
 }
 APP_LEVEL_COLOUR = "#e6a100"
-MEMORY_FIGURE_SPECS = ("fp16", "mlx-kv", "mlx-q:8", "mlx-q:4", "affine:8:64", "rotated:4:64", "kivi:4:32",
-                       "turboquant:3", "rotated:3/2:32", "turboquant:2", "vq:kivi:4", "vq:turboquant_rvq:2")
+MEMORY_FIGURE_SPECS = ("fp16", "mlx-kv", "mlx-q:k8v8", "mlx-q:k4v4", "affine:k8v8:g64", "rotated:k4v4:g64",
+                       "kivi:k4v4:g32", "turboquant:k3v3", "rotated:k3v2:g32", "turboquant:k2v2", "vq:kivi:k4v4",
+                       "vq:turboquant_rvq:k2v2")
 # Where a point label may go, tried nearest first: directions (scaled by each radius, in points).
 LABEL_RADII = (9, 16, 26, 38, 52, 68)
 LABEL_DIRECTIONS = ((1, 0.6), (1, -0.6), (-1, 0.6), (-1, -0.6), (0, 1.2), (0, -1.2), (1.4, 0), (-1.4, 0),
@@ -394,8 +396,9 @@ def _memory_panel(axis: Any, results: dict[str, list[dict[str, Any]]], scale: fl
     """Bytes held against context of each chosen spec; returns the end labels to place."""
     entries = []
     xs: list[int] = []
+    by_cache = {canonical(spec): rows for spec, rows in results.items()}
     for spec in chosen:
-        rows = results.get(spec)
+        rows = by_cache.get(canonical(spec))
         if not rows:
             continue
         x = [r["tokens"] for r in rows]

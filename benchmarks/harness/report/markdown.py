@@ -15,9 +15,11 @@ from benchmarks.harness.report.data import (
     QUICK_FOLDER,
     Results,
     app_levels,
+    canonical,
     canonical_name,
     decodes_by_dequantizing,
     gpu_headline,
+    is_mlx_4bit,
     large_shape_bits,
     mlx_budgets,
     quality_rows,
@@ -64,9 +66,10 @@ def reproduce(results: Results, base: Path) -> dict[str, Any]:
     """The commands that remake every committed result, with the options the files record."""
     quality = results.best("quality", "perplexity")
     quality_full = quality is not None and not quality.quick
-    added = [r["spec"] for r in quality_rows(quality) if r["spec"] not in QUALITY_SPECS
-             and r["spec"] not in VELOXQUANT_SPECS] if quality_full else []
-    renamed = [{"path": f.rel(s.path, base), "specs": [r["spec"] for r in s.data.get("rows", [])],
+    swept = {canonical(spec) for spec in (*QUALITY_SPECS, *VELOXQUANT_SPECS)}
+    added = [canonical(r["spec"]) for r in quality_rows(quality)
+             if canonical(r["spec"]) not in swept] if quality_full else []
+    renamed = [{"path": f.rel(s.path, base), "specs": [canonical(r["spec"]) for r in s.data.get("rows", [])],
                 "no_peers": "--no-peers" in str(s.data.get("peer_note", ""))}
                for s in results.sources("speed") if s.quick and s.path.name != canonical_name("speed", True)]
     gpu = results.best("gpu")
@@ -95,7 +98,7 @@ def document(results: Results, base: Path, figures: dict[str, str]) -> str:
 def _readme_scales(results: Results, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """mlx-lm's 4-bit cache beside Velox's affine cache with the same quantizer, if both were measured."""
     four = next((b for b in mlx_budgets(rows) if b["same_quantizer"] is not None
-                 and b["mlx"]["spec"].startswith("mlx-q:4")), None)
+                 and is_mlx_4bit(b["mlx"]["spec"])), None)
     if four is None:
         return None
     mlx, same = four["mlx"], four["same_quantizer"]

@@ -20,6 +20,7 @@ from benchmarks.harness.report.data import (
     Source,
     budget_bits_or_inf,
     compressed_velox,
+    is_mlx_4bit,
     label_of,
     large_shape_bits,
     level_labels,
@@ -103,7 +104,7 @@ def summary(results: Results, base: Path) -> dict[str, Any] | None:
         return None
     settings = quality.data["perplexity"]["settings"]
     budgets = mlx_budgets(rows)
-    mlx4 = next((e["mlx"] for e in budgets if e["mlx"]["spec"].startswith("mlx-q:4")), None)
+    mlx4 = next((e["mlx"] for e in budgets if is_mlx_4bit(e["mlx"]["spec"])), None)
     scales = None
     if mlx4:
         scales = {"label": mlx4["label"], "bits": f.fmt_bits(mlx4),
@@ -143,14 +144,15 @@ def quality_table(results: Results, base: Path) -> dict[str, Any] | None:
 
 def _table_config(level: Any) -> str:
     """A level as LEVEL_TABLE holds it, e.g. 'rotated K4/V4 g64' (+ ' w128' with a residual window)."""
-    text = f"{level.method} K{level.key_bits}/V{level.value_bits} g{level.group_size}"
-    return text + (f" w{level.residual_window}" if level.residual_window else "")
+    config = level.config
+    text = f"{config.method} K{config.key_bits}/V{config.value_bits} g{config.group_size}"
+    return text + (f" w{config.residual_window}" if config.residual_window else "")
 
 
 def _levels_table(chosen: dict[str, dict[str, Any]]) -> str:
     body = []
     for level in LEVELS:
-        if level.method in DENSE:
+        if level.config.method in DENSE:
             continue
         choice = chosen.get(level.key)
         if choice is None:
@@ -198,7 +200,7 @@ def levels(results: Results, base: Path) -> dict[str, Any] | None:
         return None
     chosen = select_levels(rows)
     per_level = [_level_ranking(level, chosen[level.key], rows) for level in LEVELS
-                 if level.method not in DENSE and chosen.get(level.key) is not None]
+                 if level.config.method not in DENSE and chosen.get(level.key) is not None]
     return {
         "head_dim": REFERENCE_HEAD_DIM, "tie": f"{TIE_NATS:g}",
         "budgets": ", ".join(f"{k}-bit ≤ {v:g}" for k, v in LEVEL_BUDGET_BITS.items()),
