@@ -13,6 +13,7 @@ for minutes.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app.logs import unexpected_error_line
 from engine.chat.documents import count_tokens, load_document
 from engine.chat.reply_check import degenerate_reply
 from engine.chat.session import (
@@ -105,6 +107,9 @@ def stats_summary(stats: Any) -> dict[str, Any]:
     return asdict(stats)
 
 
+_log = logging.getLogger("app.worker")  # full tracebacks go to the log file (app/logs.py)
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -177,7 +182,8 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False, "")
             return
         except Exception as error:  # never let a surprise kill the worker thread silently
-            self.modelLoadFailed.emit(f"The model could not be loaded: {_first_line(error)}")
+            _log.exception("loading the model %s failed", spec)
+            self.modelLoadFailed.emit(f"The model could not be loaded: {unexpected_error_line(error)}")
             self.busyChanged.emit(False, "")
             return
         self._install_model(model, tokenizer, info)
@@ -324,7 +330,8 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False, "")
             return
         except Exception as error:  # a failure inside MLX: report it, keep the worker alive
-            self.turnFailed.emit(f"The reply failed: {_first_line(error)}")
+            _log.exception("a reply failed")
+            self.turnFailed.emit(f"The reply failed: {unexpected_error_line(error)}")
             self.busyChanged.emit(False, "")
             return
         if stats is not None:
@@ -370,7 +377,8 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False, "")
             return
         except Exception as error:
-            self.documentFailed.emit(path, f"{Path(path).name} could not be read: {_first_line(error)}")
+            _log.exception("inspecting a document failed")
+            self.documentFailed.emit(path, f"{Path(path).name} could not be read: {unexpected_error_line(error)}")
             self.busyChanged.emit(False, "")
             return
         doc_id = self._next_doc_id
@@ -465,8 +473,9 @@ class EngineWorker(QObject):
             cancelled = failed = True
             message = str(error)
         except Exception as error:
+            _log.exception("reading a document failed")
             cancelled = failed = True
-            message = f"Reading {document.name} failed: {_first_line(error)}"
+            message = f"Reading {document.name} failed: {unexpected_error_line(error)}"
         finally:
             session.settings.overflow_policy = previous_policy
         if cancelled:
@@ -540,7 +549,9 @@ class EngineWorker(QObject):
             self.compressionChanged.emit(report)
             return
         except Exception as error:
-            report.update(before=before, after=before, message=f"Switching compression failed: {_first_line(error)}")
+            _log.exception("switching compression failed")
+            report.update(before=before, after=before,
+                          message=f"Switching compression failed: {unexpected_error_line(error)}")
             self.compressionChanged.emit(report)
             return
         self._level_key, self._method_override = level_key, method

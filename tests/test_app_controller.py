@@ -200,3 +200,37 @@ def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_co
     assert "would need" in errors[0] and "free can be used safely" in errors[0]
     assert controller.entries == [] and controller.conversation_id is None
     assert controller.store.list_conversations() == []
+
+
+def test_a_surprise_in_the_worker_is_one_line_and_a_logged_traceback(make_controller, qtbot, tmp_path,
+                                                                      monkeypatch):
+    import logging
+
+    from app.logs import setup_logging
+
+    monkeypatch.setenv("VELOX_LOG_DIR", str(tmp_path / "logs"))
+    log_file = setup_logging()
+    controller = make_controller()
+    session = controller.engine.worker.session
+
+    def exploding_send(*_args, **_kwargs):
+        raise RuntimeError("the attention kernel exploded\nsecond line of detail")
+        yield  # a generator, like ChatSession.send
+
+    monkeypatch.setattr(session, "send", exploding_send)
+    errors = []
+    controller.errorRaised.connect(errors.append)
+    assert controller.send("Hello?")
+    qtbot.waitUntil(lambda: bool(errors) and not controller.busy, timeout=WAIT_MS)
+    assert "\n" not in errors[0] and "RuntimeError: the attention kernel exploded" in errors[0]
+    assert str(log_file) in errors[0]
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    text = log_file.read_text()
+    assert "a reply failed" in text and "Traceback (most recent call last)" in text
+    assert "second line of detail" in text
+    # The worker is alive: the next question is answered.
+    monkeypatch.undo()
+    monkeypatch.setenv("VELOX_LOG_DIR", str(tmp_path / "logs"))
+    reply(qtbot, controller, "What is the capital of France?")
+    assert controller.entries[-1].text
