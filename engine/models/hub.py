@@ -194,12 +194,9 @@ class _Download:
             self.progress(DownloadProgress(self.repo_id, file, self.done, self.total))
 
     def fetch(self, url: str, target: Path, remote: RemoteFile) -> None:
-        """Bring `target` to `remote.size` bytes, appending from where it stopped; retry dropped connections."""
+        """Bring `target` to `remote.size` bytes, appending from where it stopped; retry dropped connections.
+        The bytes `target` already holds are counted in `done` by the caller."""
         have = target.stat().st_size if target.exists() else 0
-        if have > remote.size:
-            target.unlink()
-            have = 0
-        self.done += have
         for attempt in range(1, ATTEMPTS_PER_FILE + 1):
             self.check_cancel()
             try:
@@ -279,16 +276,26 @@ def download_model(repo_id: str, *, revision: str = "main", progress: ProgressHa
     snapshot = repo_dir / "snapshots" / commit
     staging = repo_dir / PARTIAL_DIR / commit
     missing = [f for f in files if not _complete(snapshot / f.name, f)]
-    job = _Download(repo_id, sum(f.size for f in files), progress, cancel)
-    job.done = sum(f.size for f in files if f not in missing)
+    total = sum(f.size for f in files)
     try:
         staging.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(staging).free
+        # What an earlier, stopped run already brought (complete files, and the start of the one it was on).
+        have = sum(f.size for f in files if f not in missing)
+        for remote in missing:
+            partial = staging / (remote.name + INCOMPLETE_SUFFIX)
+            if _complete(staging / remote.name, remote):
+                have += remote.size
+            elif partial.is_file():
+                if partial.stat().st_size > remote.size:
+                    partial.unlink()  # not this commit's file: start it again
+                else:
+                    have += partial.stat().st_size
     except OSError as error:
         raise DownloadError(f"Velox cannot write to the Hugging Face cache at {repo_dir.parent}: {error}") from error
-    needed = sum(f.size for f in missing) - sum(
-        (staging / (f.name + INCOMPLETE_SUFFIX)).stat().st_size
-        for f in missing if (staging / (f.name + INCOMPLETE_SUFFIX)).is_file())
+    job = _Download(repo_id, total, progress, cancel)
+    job.done = have
+    needed = total - have
     if needed > free:
         raise DownloadError(f"{repo_id} needs {needed / 1e9:.2f} GB more disk space than the "
                             f"{free / 1e9:.2f} GB free at {repo_dir.parent}.")
@@ -296,7 +303,6 @@ def download_model(repo_id: str, *, revision: str = "main", progress: ProgressHa
     for remote in missing:
         done_file = staging / remote.name
         if _complete(done_file, remote):
-            job.done += remote.size
             continue
         partial = staging / (remote.name + INCOMPLETE_SUFFIX)
         url = f"{endpoint}/{repo_id}/resolve/{commit}/{urllib.parse.quote(remote.name)}"
