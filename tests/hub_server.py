@@ -31,6 +31,8 @@ class HubState:
     drop_after: dict[str, int] = field(default_factory=dict)  # file -> bytes sent before closing, once
     delay_per_chunk_s: float = 0.0
     requests: list[tuple[str, str]] = field(default_factory=list)  # (path, Range header or '')
+    authorization: dict[str, str] = field(default_factory=dict)  # path -> Authorization header sent
+    cdn_host: str = ""  # weights redirect to this host (e.g. 'localhost:PORT'), else to the same one
 
     def listing(self) -> dict:
         siblings = []
@@ -54,6 +56,7 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = urllib.parse.urlsplit(self.path).path
             state.requests.append((path, self.headers.get("Range", "")))
+            state.authorization[path] = self.headers.get("Authorization", "")
             api = f"/api/models/{state.repo_id}/revision/"
             resolve = f"/{state.repo_id}/resolve/{state.commit}/"
             if path.startswith(api):
@@ -62,7 +65,8 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 name = urllib.parse.unquote(path[len(resolve):])
                 if name.endswith(".safetensors"):
                     self.send_response(302)
-                    self.send_header("Location", f"/cdn/{name}")
+                    base = f"http://{state.cdn_host}" if state.cdn_host else ""
+                    self.send_header("Location", f"{base}/cdn/{name}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                 else:
@@ -118,8 +122,11 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
 
 @contextmanager
 def serve_hub(state: HubState) -> Iterator[str]:
-    """Run the loopback hub in a thread; yields its endpoint URL (for HF_ENDPOINT)."""
+    """Run the loopback hub in a thread; yields its endpoint URL (for HF_ENDPOINT). Weights are served
+    from the same port; with `state.cdn_host = 'localhost'` the redirect names another host for them."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    if state.cdn_host == "localhost":
+        state.cdn_host = f"localhost:{server.server_address[1]}"
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="loopback-hub", daemon=True)
     thread.start()

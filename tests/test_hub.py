@@ -98,20 +98,45 @@ def test_a_dropped_connection_mid_file_is_resumed_with_the_right_bytes(loopback,
 def test_a_connection_that_keeps_dropping_fails_in_one_sentence_and_the_next_run_completes(
         loopback, hub_folder, monkeypatch):
     monkeypatch.setattr(hub, "RETRY_PAUSE_S", 0.0)
-    calls = {"n": 0}
-    original = hub._Download._fetch_from
+    original = hub._Download._fetch_rest
 
-    def always_drop(self, url, target, remote, have):
-        calls["n"] += 1
+    def always_drop(self, url, part, remote):
         loopback.drop_after[remote.name] = 100_000
-        return original(self, url, target, remote, have)
+        return original(self, url, part, remote)
 
-    monkeypatch.setattr(hub._Download, "_fetch_from", always_drop)
+    monkeypatch.setattr(hub._Download, "_fetch_rest", always_drop)
     with pytest.raises(DownloadError, match="run it again to resume"):
         hub.download_model(REPO)
-    monkeypatch.setattr(hub._Download, "_fetch_from", original)
+    ranges = [rng for path, rng in loopback.requests if path == "/cdn/model.safetensors"]
+    assert len(ranges) == hub.ATTEMPTS_PER_FILE and ranges[-1] == f"bytes={3 * 100_000}-"
+    monkeypatch.setattr(hub._Download, "_fetch_rest", original)
     loopback.drop_after.clear()
+    loopback.requests.clear()
     _same_files(hub.download_model(REPO), hub_folder)
+    assert ("/cdn/model.safetensors", f"bytes={4 * 100_000}-") in loopback.requests
+
+
+def test_the_token_goes_to_the_hub_but_not_to_the_cdn_it_redirects_to(hub_folder, cache, monkeypatch):
+    state = HubState(REPO, hub_folder, cdn_host="localhost")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    with serve_hub(state) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        _same_files(hub.download_model(REPO), hub_folder)
+    assert state.authorization[f"/api/models/{REPO}/revision/main"] == "Bearer hf_secret"
+    assert state.authorization[f"/{REPO}/resolve/{COMMIT}/model.safetensors"] == "Bearer hf_secret"
+    assert state.authorization["/cdn/model.safetensors"] == ""  # another host: the token stays home
+
+
+def test_a_second_download_of_the_same_model_at_once_is_refused(loopback, cache):
+    import fcntl
+
+    partial_dir = cache / "models--mlx-community--Tiny-Test-4bit" / hub.PARTIAL_DIR
+    partial_dir.mkdir(parents=True)
+    with open(partial_dir / f"{COMMIT}.lock", "a") as held:  # as another process downloading it would
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(DownloadError, match="already being downloaded"):
+            hub.download_model(REPO)
+    assert hub.download_model(REPO).is_dir()
 
 
 def test_damaged_weights_are_refused(loopback, hub_folder, monkeypatch):

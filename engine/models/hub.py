@@ -33,13 +33,19 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
 
 from engine.errors import CancelledError, DownloadError
 from engine.models.catalog import hf_hub_cache_dir
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 MLX_COMMUNITY = "mlx-community"
@@ -174,6 +180,26 @@ def list_remote_files(repo_id: str, revision: str = "main") -> tuple[str, list[R
     return commit, sorted(files, key=lambda f: (f.name == "config.json", f.name))
 
 
+class _Partial:
+    """A file being downloaded: the bytes on disk so far, and the sha256 of exactly those bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = 0
+        self.digest = hashlib.sha256()
+        if path.is_file():
+            # Read back once what an earlier run brought, so the hash grows with the download from here on
+            # and the finished file is never read a second time.
+            with open(path, "rb") as kept:
+                for block in iter(lambda: kept.read(CHUNK_BYTES), b""):
+                    self.digest.update(block)
+                    self.size += len(block)
+
+    def restart(self) -> None:
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+
 class _Download:
     """One model folder's download: the running byte count, progress throttling and the cancel check."""
 
@@ -193,67 +219,79 @@ class _Download:
             self._last_report = now
             self.progress(DownloadProgress(self.repo_id, file, self.done, self.total))
 
-    def fetch(self, url: str, target: Path, remote: RemoteFile) -> None:
-        """Bring `target` to `remote.size` bytes, appending from where it stopped; retry dropped connections.
-        The bytes `target` already holds are counted in `done` by the caller."""
-        have = target.stat().st_size if target.exists() else 0
+    def fetch(self, url: str, part: _Partial, remote: RemoteFile) -> None:
+        """Bring `part` to `remote.size` bytes, appending from where it stopped; retry dropped connections.
+        The bytes `part` already holds are counted in `done` by the caller."""
         for attempt in range(1, ATTEMPTS_PER_FILE + 1):
             self.check_cancel()
             try:
-                have = self._fetch_from(url, target, remote, have)
+                self._fetch_rest(url, part, remote)
+                return
             except (urllib.error.URLError, OSError, HTTPException) as error:
                 if isinstance(error, urllib.error.HTTPError) and error.code not in (408, 429, 500, 502, 503, 504):
                     raise DownloadError(f"Hugging Face answered {error.code} for {remote.name} of "
                                         f"{self.repo_id}.") from error
-                have = target.stat().st_size if target.exists() else 0
                 if attempt == ATTEMPTS_PER_FILE:
                     raise DownloadError(
                         f"The download of {self.repo_id} broke off in {remote.name} ({error}); run it again to "
                         "resume where it stopped.") from error
                 time.sleep(RETRY_PAUSE_S * attempt)
-                continue
-            if have == remote.size:
-                return
-        raise DownloadError(f"The download of {self.repo_id} kept breaking off in {remote.name}; run it again "
-                            "to resume where it stopped.")
 
-    def _fetch_from(self, url: str, target: Path, remote: RemoteFile, have: int) -> int:
-        """One HTTP request for the bytes after `have`; returns how many bytes the file holds afterwards."""
-        if have == remote.size:
-            return have
-        with _request(url, {"Range": f"bytes={have}-"} if have else {}) as response:
-            if have and response.status != 206:
+    def _fetch_rest(self, url: str, part: _Partial, remote: RemoteFile) -> None:
+        """One HTTP request for the bytes after `part.size`; a connection that ends early raises OSError."""
+        if part.size == remote.size:
+            return
+        with _request(url, {"Range": f"bytes={part.size}-"} if part.size else {}) as response:
+            if part.size and response.status != 206:
                 # The server sent the whole file instead of the rest: start this file over.
-                self.done -= have
-                have = 0
-            with open(target, "ab" if have else "wb") as out:
+                self.done -= part.size
+                part.restart()
+            try:
+                out = open(part.path, "ab" if part.size else "wb")
+            except OSError as error:
+                raise DownloadError(f"Velox could not write {part.path}: {error.strerror or error}.") from error
+            with out:
                 while True:
                     self.check_cancel()
                     chunk = response.read1(CHUNK_BYTES)
                     if not chunk:
                         break
-                    if have + len(chunk) > remote.size:
+                    if part.size + len(chunk) > remote.size:
                         raise DownloadError(f"{remote.name} of {self.repo_id} is bigger than the hub said; "
                                             "the download was stopped.")
-                    out.write(chunk)
-                    have += len(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as error:  # a full disk is not a dropped connection: no retry
+                        raise DownloadError(f"Velox could not write {part.path}: {error.strerror or error}."
+                                            ) from error
+                    part.digest.update(chunk)
+                    part.size += len(chunk)
                     self.done += len(chunk)
                     self.report(remote.name)
-        if have < remote.size:
-            raise ConnectionResetError(f"connection closed after {have} of {remote.size} bytes")
-        return have
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        for block in iter(lambda: source.read(CHUNK_BYTES), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        if part.size < remote.size:
+            raise ConnectionResetError(f"connection closed after {part.size} of {remote.size} bytes")
 
 
 def _complete(path: Path, remote: RemoteFile) -> bool:
     return path.is_file() and path.stat().st_size == remote.size
+
+
+@contextmanager
+def _exclusive(lock_path: Path, repo_id: str) -> Iterator[None]:
+    """One download of a repo at a time across processes (the app and `velox models download` share files)."""
+    if fcntl is None:  # no flock (Windows): Velox's supported systems all have it
+        yield
+        return
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            raise DownloadError(f"{repo_id} is already being downloaded by another Velox; wait for it to "
+                                "finish, or stop it first.") from error
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def download_model(repo_id: str, *, revision: str = "main", progress: ProgressHandler | None = None,
@@ -268,50 +306,56 @@ def download_model(repo_id: str, *, revision: str = "main", progress: ProgressHa
         raise DownloadError(
             f"{repo_id} is not downloaded and Hugging Face offline mode is on (HF_HUB_OFFLINE=1), so Velox cannot "
             "fetch it; unset HF_HUB_OFFLINE to download.")
-    endpoint = hub_endpoint()
     if progress is not None:
         progress(DownloadProgress(repo_id, "", 0, 0))
     commit, files = list_remote_files(repo_id, revision)
     repo_dir = repo_cache_dir(repo_id, cache_dir)
+    staging = repo_dir / PARTIAL_DIR / commit
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DownloadError(f"Velox cannot write to the Hugging Face cache at {repo_dir.parent}: {error}") from error
+    with _exclusive(repo_dir / PARTIAL_DIR / f"{commit}.lock", repo_id):
+        return _download_files(repo_id, revision, commit, files, repo_dir, _Download(repo_id, 0, progress, cancel))
+
+
+def _download_files(repo_id: str, revision: str, commit: str, files: list[RemoteFile], repo_dir: Path,
+                    job: _Download) -> Path:
     snapshot = repo_dir / "snapshots" / commit
     staging = repo_dir / PARTIAL_DIR / commit
     missing = [f for f in files if not _complete(snapshot / f.name, f)]
-    total = sum(f.size for f in files)
+    job.total = sum(f.size for f in files)
     try:
-        staging.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(staging).free
         # What an earlier, stopped run already brought (complete files, and the start of the one it was on).
-        have = sum(f.size for f in files if f not in missing)
+        job.done = sum(f.size for f in files if f not in missing)
         for remote in missing:
             partial = staging / (remote.name + INCOMPLETE_SUFFIX)
             if _complete(staging / remote.name, remote):
-                have += remote.size
+                job.done += remote.size
             elif partial.is_file():
                 if partial.stat().st_size > remote.size:
                     partial.unlink()  # not this commit's file: start it again
                 else:
-                    have += partial.stat().st_size
+                    job.done += partial.stat().st_size
     except OSError as error:
         raise DownloadError(f"Velox cannot write to the Hugging Face cache at {repo_dir.parent}: {error}") from error
-    job = _Download(repo_id, total, progress, cancel)
-    job.done = have
-    needed = total - have
-    if needed > free:
-        raise DownloadError(f"{repo_id} needs {needed / 1e9:.2f} GB more disk space than the "
+    if job.total - job.done > free:
+        raise DownloadError(f"{repo_id} needs {(job.total - job.done) / 1e9:.2f} GB more disk space than the "
                             f"{free / 1e9:.2f} GB free at {repo_dir.parent}.")
     job.report("", force=True)
+    endpoint = hub_endpoint()
     for remote in missing:
         done_file = staging / remote.name
         if _complete(done_file, remote):
             continue
-        partial = staging / (remote.name + INCOMPLETE_SUFFIX)
-        url = f"{endpoint}/{repo_id}/resolve/{commit}/{urllib.parse.quote(remote.name)}"
-        job.fetch(url, partial, remote)
-        if remote.sha256 and _sha256(partial) != remote.sha256:
-            partial.unlink()
+        part = _Partial(staging / (remote.name + INCOMPLETE_SUFFIX))
+        job.fetch(f"{endpoint}/{repo_id}/resolve/{commit}/{urllib.parse.quote(remote.name)}", part, remote)
+        if remote.sha256 and part.digest.hexdigest() != remote.sha256:
+            part.path.unlink()
             raise DownloadError(f"{remote.name} of {repo_id} arrived damaged (its sha256 does not match); "
                                 "run the download again.")
-        os.replace(partial, done_file)
+        os.replace(part.path, done_file)
         job.report(remote.name, force=True)
     job.check_cancel()
     try:
@@ -321,7 +365,7 @@ def download_model(repo_id: str, *, revision: str = "main", progress: ProgressHa
         if revision != commit:
             (repo_dir / "refs").mkdir(exist_ok=True)
             (repo_dir / "refs" / revision).write_text(commit, encoding="utf-8")
-        shutil.rmtree(repo_dir / PARTIAL_DIR, ignore_errors=True)
+        shutil.rmtree(repo_dir / PARTIAL_DIR, ignore_errors=True)  # with any stale run of an older commit
     except OSError as error:
         raise DownloadError(f"Velox could not finish writing {repo_id} into {repo_dir}: {error}") from error
     job.report("", force=True)
