@@ -250,3 +250,26 @@ def test_download_job_fetches_a_model_through_the_hub_then_loads_it(make_control
     assert any(rng.startswith("bytes=") and rng != "bytes=0-" for _path, rng in state.requests)
     assert loaded[-1].path == finished[0] and controller.settings.last_model == finished[0]
     assert loaded[-1].parameters == controller.model.parameters > 100_000_000
+
+
+def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_controller, qtbot, monkeypatch):
+    controller = make_controller()
+    session = controller.engine.worker.session
+
+    def broken_send(text, settings):
+        raise RuntimeError("metal kernel exploded\nTraceback line that must not reach the user")
+        yield  # a generator, like ChatSession.send
+
+    monkeypatch.setattr(session, "send", broken_send)
+    busy_changes: list[tuple[bool, str]] = []
+    controller.engine.worker.busyChanged.connect(lambda busy, what: busy_changes.append((busy, what)))
+    errors: list[str] = []
+    controller.errorRaised.connect(errors.append)
+    assert controller.send("What is the capital of France?")
+    qtbot.waitUntil(lambda: bool(errors) and not controller.busy, timeout=WAIT_MS)
+    assert errors == ["The reply failed: metal kernel exploded"]
+    assert busy_changes == [(True, "thinking"), (False, "")]
+    assert controller.entries == []  # the question was never accepted
+    monkeypatch.undo()
+    reply(qtbot, controller, "What is 2 + 2?")  # the worker thread is alive and answers
+    assert controller.entries[-1].text

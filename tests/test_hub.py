@@ -159,8 +159,10 @@ def test_damaged_weights_are_refused(loopback, hub_folder, monkeypatch):
     ("mlx-community/No-Such-Model", "There is no model named mlx-community/No-Such-Model"),
     ("../../etc", "not a Hugging Face model name"),
     ("a/b/c", "not a Hugging Face model name"),
+    ("/home/me/models", "not a Hugging Face model name"),
 ])
 def test_bad_names_give_one_sentence(loopback, name, message):
+    assert hub.normalize_repo_id("https://huggingface.co/mlx-community/Qwen3-0.6B-4bit/") == "mlx-community/Qwen3-0.6B-4bit"
     with pytest.raises(DownloadError, match=message):
         hub.download_model(name)
 

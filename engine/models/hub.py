@@ -91,7 +91,7 @@ class RemoteFile:
 
 def normalize_repo_id(name: str) -> str:
     """'org/name' as typed (or pasted as a huggingface.co URL); a bare name is taken from mlx-community."""
-    repo = name.strip().strip("/")
+    repo = name.strip().rstrip("/")  # a leading '/' is a folder path, never a model name
     for prefix in ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/"):
         if repo.startswith(prefix):
             repo = repo[len(prefix):].strip("/")
