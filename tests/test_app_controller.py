@@ -137,6 +137,9 @@ def test_restart_reopens_the_last_conversation(make_controller, qtbot):
 
     restarted = make_controller()
     assert [(e.role, e.text) for e in restarted.entries] == texts
+    # The saved reply keeps its figures: the same GenerationStats, so the same caption.
+    assert restarted.entries[-1].stats == first.entries[-1].stats is not None
+    assert restarted.entries[-1].caption == first.entries[-1].caption and "tok/s" in first.entries[-1].caption
     assert restarted.conversation_id == first.conversation_id
     # The engine got the history back: a follow-up sees the earlier turn.
     qtbot.waitUntil(lambda: restarted.engine.worker.session is not None
