@@ -1,5 +1,6 @@
 """The chat window offscreen against the real engine: typing and Enter, streamed bubbles, documents with fit
-verdicts, a bad document, restart, the model picker offline, and an event loop that never stalls."""
+verdicts, a bad document, restart, the model picker offline and downloading from a loopback hub, and an event
+loop that never stalls."""
 
 from __future__ import annotations
 
@@ -242,6 +243,33 @@ def test_model_picker_lists_the_default_and_explains_offline_downloads(make_wind
     qtbot.waitUntil(lambda: not picker.downloading, timeout=60_000)
     assert "offline" in picker.download_status.text()
     assert "mlx-community/SmolLM2-360M-Instruct" in picker.download_status.text()
+    picker.reject()
+
+
+def test_model_picker_shows_download_progress_and_its_cancel_button_stops_it(make_window, qtbot, tmp_path,
+                                                                          monkeypatch):
+    from engine.models.catalog import hf_cached_snapshot
+    from tests.hub_server import HubState, make_model_folder, serve_hub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    controller, window = make_window()
+    state = HubState("mlx-community/Tiny-Test-4bit", make_model_folder(tmp_path / "remote", 8 * 1024 * 1024),
+                     delay_per_chunk_s=0.01)
+    with serve_hub(state) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        window.open_model_picker()
+        picker = window.model_picker
+        picker.repo_field.setText("Tiny-Test-4bit")
+        picker.download_button.click()
+        qtbot.waitUntil(lambda: picker.download_progress.value() > 100, timeout=WAIT_MS)  # of 1000
+        assert picker.download_progress.isVisible() and picker.download_button.text() == "Cancel"
+        assert "Downloading mlx-community/Tiny-Test-4bit:" in picker.download_status.text()
+        picker.download_button.click()
+        qtbot.waitUntil(lambda: not picker.downloading, timeout=WAIT_MS)
+    assert "cancelled" in picker.download_status.text() and picker.download_button.text() == "Download"
+    assert hf_cached_snapshot("mlx-community/Tiny-Test-4bit") is None
+    assert controller.model.name == "SmolLM2-135M-Instruct"  # the loaded model stays
     picker.reject()
 
 
