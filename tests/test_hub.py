@@ -187,6 +187,20 @@ def test_cli_models_download(loopback, hub_folder, capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: There is no model named org/Missing")
 
 
+def test_cli_ctrl_c_stops_a_download_with_a_resume_hint(loopback, capsys, monkeypatch):
+    from app.cli import main
+
+    def interrupt(progress):
+        if progress.file == "model.safetensors":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("app.cli._download_progress", interrupt)
+    assert main(["models", "download", REPO]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: The download of {REPO} was stopped; run the same command again to resume.")
+    assert hf_cached_snapshot(REPO) is None
+
+
 def test_cli_chat_download_fetches_the_model_then_answers(default_model_path, cache, monkeypatch, capsys):
     from app.cli import main
 
