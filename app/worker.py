@@ -14,6 +14,7 @@ for minutes.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app.logs import unexpected_error_line
 from app.payloads import (
     CompressionReport,
     DocumentInspection,
@@ -71,10 +73,13 @@ KV_BYTES_INTERVAL_S = 1.0
 # cost to the worker, whose heavy lifting happens in MLX with the GIL released.
 GIL_SWITCH_INTERVAL_S = 0.001
 
+logger = logging.getLogger(__name__)
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+
+def _unexpected(failure: str, error: BaseException) -> str:
+    """The traceback goes to the log file; the person reads `failure` and one line that says where it is."""
+    logger.error("%s", failure, exc_info=error)
+    return f"{failure}. {unexpected_error_line(error)}"
 
 
 def _level_or_none(key: str) -> Any | None:
@@ -141,8 +146,8 @@ class EngineWorker(QObject):
     def _job(self, what: str, report: Callable[[str], None] | None = None, failure: str = "") -> Iterator[None]:
         """Busy for the duration of one job, and idle again on every path out of it (the GUI marked itself
         busy when it asked). With `report`, an error inside the job is not raised but reported in one line:
-        a VeloxError's own sentence, or `failure` and the first line of a surprise (a failure inside MLX
-        must not kill the worker thread). Nothing may follow the `with` block in the job: after a reported
+        a VeloxError's own sentence, or for a surprise `failure` and where its logged traceback is (a failure
+        inside MLX must not kill the worker thread). Nothing may follow the `with` block in the job: after a reported
         error, execution continues there."""
         self.busyChanged.emit(True, what)
         try:
@@ -154,7 +159,7 @@ class EngineWorker(QObject):
         except Exception as error:
             if report is None:
                 raise
-            report(f"{failure}: {_first_line(error)}")
+            report(_unexpected(failure, error))
         finally:
             self.busyChanged.emit(False, "")
 
@@ -419,7 +424,7 @@ class EngineWorker(QObject):
             message = str(error)
         except Exception as error:
             cancelled = failed = True
-            message = f"Reading {document.name} failed: {_first_line(error)}"
+            message = _unexpected(f"Reading {document.name} failed", error)
         finally:
             session.settings.overflow_policy = previous_policy
         if cancelled:
@@ -487,7 +492,7 @@ class EngineWorker(QObject):
             return
         except Exception as error:
             self.compressionChanged.emit(replace(report, before=before, after=before,
-                                                 message=f"Switching compression failed: {_first_line(error)}"))
+                                                 message=_unexpected("Switching compression failed", error)))
             return
         self._level_key, self._method_override = level_key, method
         if announce:
@@ -547,7 +552,7 @@ class DownloadWorker(QObject):
             self.failed.emit(str(error))
             return
         except Exception as error:  # never let a surprise kill the download thread silently
-            self.failed.emit(f"The download failed: {_first_line(error)}")
+            self.failed.emit(_unexpected("The download failed", error))
             return
         self.finished.emit(str(folder))
 

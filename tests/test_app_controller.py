@@ -255,7 +255,10 @@ def test_download_job_fetches_a_model_through_the_hub_then_loads_it(make_control
     assert loaded[-1].parameters == controller.model.parameters > 100_000_000
 
 
-def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_controller, qtbot, monkeypatch):
+def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_controller, qtbot, monkeypatch,
+                                                                          caplog):
+    from app.logs import log_path
+
     controller = make_controller()
     session = controller.engine.worker.session
 
@@ -270,7 +273,10 @@ def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_co
     controller.errorRaised.connect(errors.append)
     assert controller.send("What is the capital of France?")
     qtbot.waitUntil(lambda: bool(errors) and not controller.busy, timeout=WAIT_MS)
-    assert errors == ["The reply failed: metal kernel exploded"]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert errors[0].startswith("The reply failed. Unexpected error (RuntimeError: metal kernel exploded).")
+    assert errors[0].endswith(f"The details are in {log_path()}.")
+    assert "Traceback line that must not reach the user" in caplog.text  # the whole error is in the log
     assert busy_changes == [(True, "thinking"), (False, "")]
     assert controller.entries == []  # the question was never accepted
     monkeypatch.undo()
