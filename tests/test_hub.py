@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 
 import pytest
@@ -12,6 +14,21 @@ from engine.models.catalog import hf_cached_snapshot
 from tests.hub_server import COMMIT, HubState, make_model_folder, serve_hub
 
 REPO = "mlx-community/Tiny-Test-4bit"
+
+
+@pytest.fixture(autouse=True)
+def private_log(tmp_path, monkeypatch):
+    """The CLI tests run `velox` in-process, which sets up its log file: keep it in tmp_path and take its
+    handler away afterwards, so later tests (tests/test_logs.py) start without one."""
+    monkeypatch.setenv("VELOX_LOG_DIR", str(tmp_path / "log"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before:
+            root.removeHandler(handler)
+            handler.close()
 
 
 @pytest.fixture
