@@ -211,7 +211,7 @@ def test_cli_ctrl_c_stops_a_download_with_a_resume_hint(loopback, capsys, monkey
         if progress.file == "model.safetensors":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("app.cli._download_progress", interrupt)
+    monkeypatch.setattr("app.commands._download_progress", interrupt)
     assert main(["models", "download", REPO]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: The download of {REPO} was stopped; run the same command again to resume.")
