@@ -52,6 +52,8 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="chat in the terminal (interactive, or one-shot with --prompt)")
     chat.add_argument("--model", "-m", default=None, help="model folder, 'org/name' in the HF cache, or 'default'")
+    chat.add_argument("--download", action="store_true",
+                      help="download --model from Hugging Face first if it is not in the HF cache yet")
     chat.add_argument("--doc", "-d", action="append", default=[], help="attach a document (txt, md, pdf, html)")
     chat.add_argument("--prompt", "-p", default=None, help="ask one question, print the answer and exit")
     chat.add_argument("--max-tokens", type=_positive_int, default=512, help="longest reply, in tokens (>= 1)")
@@ -70,7 +72,11 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
     chat.add_argument("--kv-bits", type=_positive_int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
 
-    sub.add_parser("models", help="list available models")
+    models = sub.add_parser("models", help="list available models, or download one")
+    models_sub = models.add_subparsers(dest="models_command")
+    download = models_sub.add_parser("download", help="download an MLX model from Hugging Face (resumable)")
+    download.add_argument("repo", help="'org/name', or a bare name from mlx-community")
+    download.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
     sub.add_parser("info", help="show machine, MLX and memory facts")
     sub.add_parser("methods", help="list KV cache compression methods")
     app = sub.add_parser("app", help="start the desktop app")

@@ -10,6 +10,7 @@ import argparse
 import platform
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import engine
@@ -26,9 +27,10 @@ from engine.chat.session import (
     PrefillProgress,
     TextChunk,
 )
-from engine.errors import ConfigError, VeloxError
+from engine.errors import CancelledError, ConfigError, VeloxError
 from engine.kvcache import KVCacheConfig, describe_methods
-from engine.models.catalog import list_models, load_model, resolve_model
+from engine.models.catalog import hf_cached_snapshot, list_models, load_model, resolve_model
+from engine.models.hub import DownloadProgress, download_model, normalize_repo_id
 from engine.planning.memory import snapshot, system_memory
 from engine.planning.recommend import LEVELS, check_fits
 from engine.planning.units import format_bytes
@@ -58,6 +60,22 @@ def _cache_config(args: argparse.Namespace) -> Any:
     if config.key_bits is not None or config.value_bits is not None:
         raise ConfigError(f"--kv {args.kv} already gives the bits; leave out --kv-bits {args.kv_bits}.")
     return replace(config, key_bits=args.kv_bits, value_bits=args.kv_bits)
+
+
+def _download_progress(progress: DownloadProgress) -> None:
+    if progress.total_bytes:
+        _progress(f"{progress.repo_id}: {format_bytes(progress.done_bytes)} of {format_bytes(progress.total_bytes)}",
+                  progress.fraction)
+
+
+def _download(repo: str, revision: str = "main") -> Path:
+    repo = normalize_repo_id(repo)
+    print(f"Downloading {repo} from Hugging Face (Ctrl-C stops; running it again resumes)…", file=sys.stderr)
+    try:
+        return download_model(repo, revision=revision, progress=_download_progress)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        raise CancelledError(f"The download of {repo} was stopped; run the same command again to resume.") from None
 
 
 def _print_stats(stats: Any) -> None:
@@ -125,6 +143,13 @@ def _chat(args: argparse.Namespace) -> int:
     )
     documents = [load_document(path) for path in args.doc]
     cache_config = _cache_config(args)
+    if args.download and not (args.model and Path(args.model).expanduser().exists()):  # a folder: nothing to fetch
+        if not args.model:
+            raise ConfigError("--download needs --model ORG/NAME: the model to fetch from Hugging Face.")
+        repo = normalize_repo_id(args.model)
+        if hf_cached_snapshot(repo) is None:
+            _download(repo)
+        args.model = repo
     path = resolve_model(args.model, progress=_progress)
     model, tokenizer, info = load_model(path)
     session = ChatSession(model, tokenizer, context_length=info.max_context, system_prompt=args.system,
@@ -213,6 +238,9 @@ def run_command(args: argparse.Namespace, harness: Any = None) -> int:
     try:
         if args.command == "chat":
             return _chat(args)
+        if args.command == "models" and args.models_command == "download":
+            print(_download(args.repo, args.revision))
+            return 0
         if args.command == "models":
             return _models()
         if args.command == "info":

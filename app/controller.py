@@ -10,17 +10,33 @@ Tests drive it directly (send, stop, attach, switch compression) without creatin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from app.payloads import (
+    CompressionReport,
+    GenerationOptions,
+    IngestChoice,
+    IngestResult,
+    LevelAdvice,
+    LevelSummary,
+    MemoryReading,
+    ModelSummary,
+    Overflow,
+    PendingDocument,
+    TurnResult,
+    stats_from_record,
+)
 from app.settings import AUTO_COMPRESSION, Settings, load_settings, save_settings
 from app.store import ConversationStore, StoreError
-from app.worker import EngineThread, compression_levels, find_level, level_summary
+from app.worker import EngineThread
+from engine.chat.session import GenerationStats
 from engine.models.catalog import list_models
 from engine.planning.memory import snapshot
+from engine.planning.recommend import LEVELS
 from engine.planning.units import format_bytes
 
 MEMORY_POLL_MS = 1000
@@ -39,22 +55,43 @@ class ChatEntry:
     documents: list[str] = field(default_factory=list)
     caption: str = ""
     cancelled: bool = False
-    stats: dict[str, Any] | None = None
+    stats: GenerationStats | None = None
 
 
-def reply_caption(stats: dict[str, Any] | None, cancelled: bool = False, interrupted: bool = False) -> str:
+@dataclass(frozen=True)
+class OpenedConversation:
+    """The conversation the window shows now (id None: a new chat, not saved yet)."""
+
+    id: int | None
+    title: str
+    entries: tuple[ChatEntry, ...]
+
+
+@dataclass
+class TurnInFlight:
+    """The question being answered: what to save, and what to put back if the engine refuses it."""
+
+    text: str
+    regenerate: bool
+    user_saved: bool
+    documents: list[str]
+    replaced: ChatEntry | None = None  # the reply a regeneration replaces
+    partial_save_failed: bool = False  # saving the streaming reply failed once: reported once, not retried
+
+
+def reply_caption(stats: GenerationStats | None, cancelled: bool = False, interrupted: bool = False) -> str:
     """'42 tokens · 31.5 tok/s · first token 0.42 s' (and '· stopped' when the user stopped it);
     'interrupted' for a reply cut off by a crash (saved while it streamed, never finished)."""
     if interrupted:
         return "interrupted"
-    if not stats:
+    if stats is None:
         return "stopped" if cancelled else ""
-    parts = [f"{stats['generated_tokens']} tokens"]
-    if stats.get("decode_tokens_per_second"):
-        parts.append(f"{stats['decode_tokens_per_second']:.1f} tok/s")
-    if stats.get("time_to_first_token"):
-        parts.append(f"first token {stats['time_to_first_token']:.2f} s")
-    if cancelled or stats.get("finish_reason") == "cancelled":
+    parts = [f"{stats.generated_tokens} tokens"]
+    if stats.decode_tokens_per_second:
+        parts.append(f"{stats.decode_tokens_per_second:.1f} tok/s")
+    if stats.time_to_first_token:
+        parts.append(f"first token {stats.time_to_first_token:.2f} s")
+    if cancelled or stats.finish_reason == "cancelled":
         parts.append("stopped")
     return " · ".join(parts)
 
@@ -68,34 +105,34 @@ class ChatController(QObject):
     """State and actions of the chat app. Create it, connect a view, then call `start()`."""
 
     # model
-    modelChanged = Signal(object)  # worker.model_summary dict
+    modelChanged = Signal(object)  # ModelSummary
     modelProgress = Signal(str, float)
     modelFailed = Signal(str)
     busyChanged = Signal(bool, str)
     # conversation
     conversationsChanged = Signal(object)  # list[ConversationMeta]
-    conversationOpened = Signal(object)  # {'id': int | None, 'title': str, 'entries': list[ChatEntry]}
+    conversationOpened = Signal(object)  # OpenedConversation
     entryAdded = Signal(object)  # ChatEntry
     lastEntryRemoved = Signal()
     replyStreaming = Signal(str)  # the reply so far
     replyFinished = Signal(object)  # the final ChatEntry of the reply
     prefillProgress = Signal(int, int)
-    overflowChoiceNeeded = Signal(object)  # {'text', 'message', 'needed', 'limit', 'has_documents'}
+    overflowChoiceNeeded = Signal(object)  # Overflow
     # messages for the user
     errorRaised = Signal(str)
     noticeRaised = Signal(str)
     # documents
-    documentInspected = Signal(object)
+    documentInspected = Signal(object)  # DocumentInspection
     documentFailed = Signal(str, str)
     ingestProgress = Signal(int, int)
-    documentIngested = Signal(object)
-    pendingDocumentsChanged = Signal(object)  # list of {'name', 'tokens'}
+    documentIngested = Signal(object)  # IngestResult
+    pendingDocumentsChanged = Signal(object)  # list[PendingDocument]
     # compression and memory
-    compressionChanged = Signal(object)
-    recommendationChanged = Signal(object)
-    memoryUpdated = Signal(object)
+    compressionChanged = Signal(object)  # CompressionReport
+    recommendationChanged = Signal(object)  # LevelAdvice or None
+    memoryUpdated = Signal(object)  # MemoryReading
     throughputSample = Signal(str, float)
-    statsChanged = Signal(object)  # the last reply's GenerationStats as a dict
+    statsChanged = Signal(object)  # the last reply's GenerationStats
     # downloads
     downloadProgress = Signal(str, float)
     downloadFinished = Signal(str)
@@ -110,20 +147,21 @@ class ChatController(QObject):
         self.engine = EngineThread(self)
         self.entries: list[ChatEntry] = []
         self.conversation_id: int | None = None
-        self.model: dict[str, Any] | None = None
+        self.model: ModelSummary | None = None
         self.busy = False
         self.busy_what = ""
-        self.pending_documents: list[dict[str, Any]] = []
+        self.pending_documents: list[PendingDocument] = []
         self.level_key = self.settings.compression if self.settings.compression != AUTO_COMPRESSION else "16"
         self.method: str | None = self.settings.method_override
-        self.recommendation: dict[str, Any] | None = None
+        self.recommendation: LevelAdvice | None = None
         self.kv_held = 0
         self.kv_fp16 = 0
-        self.last_stats: dict[str, Any] | None = None
-        self.last_memory: dict[str, Any] | None = None
+        self.last_stats: GenerationStats | None = None
+        self.last_memory: MemoryReading | None = None
+        self._levels: list[LevelSummary] | None = None
         self._pending_document_objects: list[Any] = []  # engine Documents attached to the next question
         self._streaming = ""
-        self._turn: dict[str, Any] | None = None  # the turn in flight: text, regenerate, saved flag, old entry
+        self._turn: TurnInFlight | None = None
         self._reply_message_id: int | None = None  # the streaming reply's row, once its first text is saved
         self._last_partial_save = 0.0
         self._shut_down = False
@@ -172,7 +210,7 @@ class ChatController(QObject):
         if conversations:
             self.open_conversation(conversations[0].id, sync_worker=False)
         else:
-            self.conversationOpened.emit({"id": None, "title": "New Chat", "entries": []})
+            self.conversationOpened.emit(OpenedConversation(None, "New Chat", ()))
         self.engine.requestConfigure.emit(self.generation_options())
         if self.level_key != "16" or self.method:
             self.engine.requestSetCompression.emit(self.level_key, self.method)
@@ -204,11 +242,12 @@ class ChatController(QObject):
 
     def list_models(self) -> list[Any]:
         """The engine's catalogue (reads only JSON headers: milliseconds, no MLX work)."""
+
         return list_models()
 
-    def _on_model_loaded(self, summary: dict[str, Any]) -> None:
+    def _on_model_loaded(self, summary: ModelSummary) -> None:
         self.model = summary
-        self.settings.last_model = summary["path"] or summary["name"]
+        self.settings.last_model = summary.path or summary.name
         self.modelChanged.emit(summary)
         if self.conversation_id is not None:
             # A newly loaded model starts a new session: give it the open conversation.
@@ -219,12 +258,12 @@ class ChatController(QObject):
         self.modelFailed.emit(message)
         self.errorRaised.emit(message)
 
-    def _on_recommendation(self, recommendation: dict[str, Any] | None) -> None:
+    def _on_recommendation(self, recommendation: LevelAdvice | None) -> None:
         self.recommendation = recommendation
         self.recommendationChanged.emit(recommendation)
-        if (recommendation and recommendation.get("key") and self.settings.compression == AUTO_COMPRESSION
-                and recommendation["key"] != self.level_key):
-            self.set_compression(recommendation["key"], None, remember=False)
+        if (recommendation and recommendation.key and self.settings.compression == AUTO_COMPRESSION
+                and recommendation.key != self.level_key):
+            self.set_compression(recommendation.key, None, remember=False)
 
     def download_model(self, name: str) -> None:
         self.engine.requestDownload.emit(name)
@@ -279,13 +318,14 @@ class ChatController(QObject):
         self.conversation_id = meta.id
         self.entries = [
             ChatEntry(m.role, m.content, [d.name for d in m.documents],
-                      reply_caption(m.stats, m.cancelled, m.interrupted) if m.role == "assistant" else "",
-                      m.cancelled, m.stats)
+                      reply_caption(stats_from_record(m.stats), m.cancelled, m.interrupted)
+                      if m.role == "assistant" else "",
+                      m.cancelled, stats_from_record(m.stats))
             for m in messages if m.role != "system"
         ]
         self.pending_documents = []
         self.pendingDocumentsChanged.emit([])
-        self.conversationOpened.emit({"id": meta.id, "title": meta.title, "entries": list(self.entries)})
+        self.conversationOpened.emit(OpenedConversation(meta.id, meta.title, tuple(self.entries)))
         if sync_worker:
             self._sync_worker_history()
 
@@ -304,7 +344,7 @@ class ChatController(QObject):
         self.pending_documents = []
         self.pendingDocumentsChanged.emit([])
         self.engine.requestNewChat.emit()
-        self.conversationOpened.emit({"id": None, "title": "New Chat", "entries": []})
+        self.conversationOpened.emit(OpenedConversation(None, "New Chat", ()))
 
     def delete_conversation(self, conversation_id: int) -> None:
         if conversation_id == self.conversation_id:
@@ -317,17 +357,17 @@ class ChatController(QObject):
             self.errorRaised.emit(str(error))
         self.refresh_conversations()
 
-    def generation_options(self, overflow_policy: str | None = None) -> dict[str, Any]:
-        return {"max_tokens": self.settings.max_tokens, "temperature": self.settings.temperature,
-                "top_p": self.settings.top_p, "overflow_policy": overflow_policy}
+    def generation_options(self, overflow_policy: str | None = None) -> GenerationOptions:
+        return GenerationOptions(max_tokens=self.settings.max_tokens, temperature=self.settings.temperature,
+                                 top_p=self.settings.top_p, overflow_policy=overflow_policy)
 
     def send(self, text: str, overflow_policy: str | None = None) -> bool:
         """Ask `text`; the reply streams through replyStreaming and ends with replyFinished."""
         text = text.strip()
         if not text or not self._claim("thinking"):
             return False
-        documents = [doc["name"] for doc in self.pending_documents]
-        self._turn = {"text": text, "regenerate": False, "user_saved": False, "documents": documents}
+        documents = [doc.name for doc in self.pending_documents]
+        self._turn = TurnInFlight(text, regenerate=False, user_saved=False, documents=documents)
         self._streaming = ""
         self._add_entry(ChatEntry("user", text, documents))
         self._add_entry(ChatEntry("assistant", ""))
@@ -342,8 +382,8 @@ class ChatController(QObject):
             return False
         old = self.entries.pop()
         self.lastEntryRemoved.emit()
-        self._turn = {"text": self.entries[-1].text, "regenerate": True, "user_saved": True, "old": old,
-                      "documents": self.entries[-1].documents}
+        self._turn = TurnInFlight(self.entries[-1].text, regenerate=True, user_saved=True,
+                                  documents=self.entries[-1].documents, replaced=old)
         self._streaming = ""
         self._add_entry(ChatEntry("assistant", ""))
         self.engine.requestRegenerate.emit(self.generation_options(overflow_policy))
@@ -379,12 +419,12 @@ class ChatController(QObject):
         PARTIAL_SAVE_INTERVAL_S; `_on_turn_finished` completes it. A regenerated reply replaces the old
         one in the database as soon as its first text exists."""
         turn = self._turn
-        if turn is None or self.conversation_id is None or turn.get("partial_save_failed"):
+        if turn is None or self.conversation_id is None or turn.partial_save_failed:
             return
         now = time.monotonic()
         try:
             if self._reply_message_id is None:
-                if turn["regenerate"]:
+                if turn.regenerate:
                     position = self._last_assistant_position()
                     if position is not None:
                         self.store.delete_messages_from(self.conversation_id, position)
@@ -397,7 +437,7 @@ class ChatController(QObject):
             else:
                 return
         except StoreError as error:
-            turn["partial_save_failed"] = True  # one message per reply, not one per token
+            turn.partial_save_failed = True  # one message per reply, not one per token
             self.errorRaised.emit(f"The reply could not be saved as it streams: {error}")
             return
         self._last_partial_save = now
@@ -405,17 +445,17 @@ class ChatController(QObject):
     def _save_user_message(self) -> None:
         """The question is written once the engine has accepted it (it fits the context)."""
         turn = self._turn
-        if turn is None or turn["user_saved"]:
+        if turn is None or turn.user_saved:
             return
-        turn["user_saved"] = True
+        turn.user_saved = True
         session_documents = self._pending_document_objects
         try:
             if self.conversation_id is None:
                 self.conversation_id = self.store.create_conversation(
-                    conversation_title(turn["text"]), model=self.model["name"] if self.model else "",
+                    conversation_title(turn.text), model=self.model.name if self.model else "",
                     compression=self.compression_label(),
                 )
-            self.store.append_message(self.conversation_id, "user", turn["text"], documents=session_documents,
+            self.store.append_message(self.conversation_id, "user", turn.text, documents=session_documents,
                                       compression=self.compression_label())
         except StoreError as error:
             self.errorRaised.emit(f"The message could not be saved: {error}")
@@ -424,18 +464,18 @@ class ChatController(QObject):
         self.pendingDocumentsChanged.emit([])
         self.refresh_conversations()
 
-    def _on_turn_finished(self, result: dict[str, Any]) -> None:
-        turn = self._turn or {"regenerate": result.get("regenerated", False)}
+    def _on_turn_finished(self, result: TurnResult) -> None:
+        regenerated = self._turn.regenerate if self._turn is not None else result.regenerated
         self._save_user_message()
         self._turn = None
-        stats = result.get("stats")
-        cancelled = bool(result.get("cancelled"))
+        stats = result.stats
+        cancelled = result.cancelled
         entry = self.entries[-1] if self.entries and self.entries[-1].role == "assistant" else ChatEntry("assistant", "")
-        entry.text = result.get("text", self._streaming)
+        entry.text = result.text
         entry.cancelled = cancelled
         entry.stats = stats
         entry.caption = reply_caption(stats, cancelled)
-        if stats:
+        if stats is not None:
             self.last_stats = stats
             self.statsChanged.emit(stats)
         reply_id, self._reply_message_id = self._reply_message_id, None
@@ -444,7 +484,7 @@ class ChatController(QObject):
                 self.store.update_message(reply_id, content=entry.text, cancelled=cancelled, stats=stats,
                                           compression=self.compression_label(), state="complete")
             elif self.conversation_id is not None:
-                if turn.get("regenerate"):
+                if regenerated:
                     position = self._last_assistant_position()
                     if position is not None:
                         self.store.delete_messages_from(self.conversation_id, position)
@@ -461,19 +501,19 @@ class ChatController(QObject):
             return messages[-1].position
         return None
 
-    def _undo_turn_entries(self) -> dict[str, Any] | None:
+    def _undo_turn_entries(self) -> TurnInFlight | None:
         turn, self._turn = self._turn, None
         if turn is None:
             return None
         self._forget_partial_reply(turn)
         self._remove_last_entry()  # the reply placeholder
-        if turn["regenerate"]:
-            self._add_entry(turn["old"])  # the reply that was to be replaced comes back
-        elif not turn["user_saved"]:
+        if turn.replaced is not None:
+            self._add_entry(turn.replaced)  # the reply that was to be replaced comes back
+        elif not turn.user_saved:
             self._remove_last_entry()  # the question, never accepted
         return turn
 
-    def _forget_partial_reply(self, turn: dict[str, Any]) -> None:
+    def _forget_partial_reply(self, turn: TurnInFlight) -> None:
         """A turn that failed after its first text was saved: the database goes back to what the view shows
         again (no partial reply; a regenerated reply's predecessor restored)."""
         reply_id, self._reply_message_id = self._reply_message_id, None
@@ -483,8 +523,8 @@ class ChatController(QObject):
             position = self._last_assistant_position()
             if position is not None:
                 self.store.delete_messages_from(self.conversation_id, position)
-            old = turn.get("old")
-            if turn["regenerate"] and old is not None:
+            old = turn.replaced
+            if turn.regenerate and old is not None:
                 self.store.append_message(self.conversation_id, "assistant", old.text, cancelled=old.cancelled,
                                           stats=old.stats, compression=self.compression_label())
         except StoreError as error:
@@ -494,21 +534,21 @@ class ChatController(QObject):
         self._undo_turn_entries()
         self.errorRaised.emit(message)
 
-    def _on_overflow(self, info: dict[str, Any]) -> None:
+    def _on_overflow(self, info: Overflow) -> None:
         turn = self._undo_turn_entries()
         if turn is not None:
-            info = {**info, "text": turn["text"], "regenerate": turn["regenerate"]}
+            info = replace(info, text=turn.text, regenerate=turn.regenerate)
         self.overflowChoiceNeeded.emit(info)
 
-    def resolve_overflow(self, info: dict[str, Any], policy: str | None) -> None:
+    def resolve_overflow(self, info: Overflow, policy: str | None) -> None:
         """The user's answer to an overflow: 'drop-oldest', 'truncate-middle', or None to give up."""
         if policy is None:
             self.noticeRaised.emit("Nothing was sent: the conversation does not fit in the model's context.")
             return
-        if info.get("regenerate"):
+        if info.regenerate:
             self.regenerate(overflow_policy=policy)
         else:
-            self.send(info["text"], overflow_policy=policy)
+            self.send(info.text, overflow_policy=policy)
 
     # ----- documents -----------------------------------------------------------------------------------------------
     def attach_document(self, path: str) -> None:
@@ -522,14 +562,14 @@ class ChatController(QObject):
         self.documentFailed.emit(path, message)
         self.errorRaised.emit(message)
 
-    def ingest_document(self, doc_id: int, choice: dict[str, Any]) -> bool:
-        """Attach an inspected document and read it now; `choice` as in EngineWorker.ingest_document."""
+    def ingest_document(self, doc_id: int, choice: IngestChoice) -> bool:
+        """Attach an inspected document and read it now, as the user chose in the document dialog."""
         if not self._claim("reading"):
             return False
-        if choice.get("level") and choice["level"] != self.level_key:
+        if choice.level and choice.level != self.level_key:
             # The level picked for the document becomes the remembered one, like a slider move.
-            self.settings.compression = choice["level"]
-            self.settings.method_override = choice.get("method")
+            self.settings.compression = choice.level
+            self.settings.method_override = choice.method
             self.save_settings()
         self.engine.requestIngestDocument.emit(doc_id, choice)
         return True
@@ -537,26 +577,30 @@ class ChatController(QObject):
     def discard_document(self, doc_id: int) -> None:
         self.engine.requestDiscardDocument.emit(doc_id)
 
-    def _on_document_ingested(self, report: dict[str, Any]) -> None:
-        if report.get("cancelled"):
-            if report.get("failed"):
-                self.errorRaised.emit(report["message"])
-            elif report.get("message"):
-                self.noticeRaised.emit(report["message"])
+    def _on_document_ingested(self, report: IngestResult) -> None:
+        if report.cancelled:
+            if report.failed:
+                self.errorRaised.emit(report.message)
+            elif report.message:
+                self.noticeRaised.emit(report.message)
         else:
-            self.pending_documents.append({"name": report["name"], "tokens": report["tokens"]})
-            self._pending_document_objects.append(report["document"])
+            self.pending_documents.append(PendingDocument(report.name, report.tokens))
+            self._pending_document_objects.append(report.document)
             self.pendingDocumentsChanged.emit(list(self.pending_documents))
         self.documentIngested.emit(report)
 
     # ----- compression ----------------------------------------------------------------------------------------------
-    def levels(self) -> list[dict[str, Any]]:
-        return [level_summary(level) for level in compression_levels()]
+    def levels(self) -> list[LevelSummary]:
+        """The engine's compression levels (16/8/4/3/2 bits), highest precision first: the slider's order."""
+        if self._levels is None:
+
+            self._levels = [LevelSummary.from_level(level) for level in LEVELS]
+        return list(self._levels)
 
     def compression_label(self) -> str:
-        level = find_level(self.level_key)
+        level = next((level for level in self.levels() if level.key == self.level_key), None)
         label = level.label if level else f"{self.level_key}-bit"
-        method = self.method or (level.config.method if level else "")
+        method = self.method or (level.method if level else "")
         return f"{label} ({method})" if method and self.level_key != "16" else label
 
     def set_compression(self, level_key: str, method: str | None = None, remember: bool = True) -> None:
@@ -567,10 +611,10 @@ class ChatController(QObject):
             self.save_settings()
         self.engine.requestSetCompression.emit(level_key, method)
 
-    def _on_compression_changed(self, report: dict[str, Any]) -> None:
-        if report.get("available") or self.model is None:
-            self.level_key = report["key"]
-            self.method = report.get("override")
+    def _on_compression_changed(self, report: CompressionReport) -> None:
+        if report.available or self.model is None:
+            self.level_key = report.key
+            self.method = report.override
             if self.conversation_id is not None:
                 try:
                     self.store.set_conversation_settings(self.conversation_id, compression=self.compression_label())
@@ -582,31 +626,21 @@ class ChatController(QObject):
     def _on_kv_bytes(self, held: int, fp16: int) -> None:
         self.kv_held, self.kv_fp16 = held, fp16
 
-    def refresh_memory(self) -> dict[str, Any]:
+    def refresh_memory(self) -> MemoryReading:
         """Read system, process and MLX memory (cheap counters, no MLX work) and publish them."""
+
         started = time.perf_counter()
         snap = snapshot(None)
-        reading = {
-            "system_total": snap.system_total,
-            "system_available": snap.system_available,
-            "system_used": snap.system_total - snap.system_available,
-            "pressure": snap.pressure,
-            "process_rss": snap.process_rss,
-            "mlx_active": snap.mlx_active,
-            "mlx_peak": snap.mlx_peak,
-            "mlx_cache": snap.mlx_cache,
-            "kv_held": self.kv_held,
-            "kv_fp16": self.kv_fp16,
-            "read_seconds": time.perf_counter() - started,
-        }
+        reading = MemoryReading.from_snapshot(snap, self.kv_held, self.kv_fp16, time.perf_counter() - started)
         self.last_memory = reading
         self.memoryUpdated.emit(reading)
         return reading
 
     def memory_line(self) -> str:
         """One line for the tray menu: free RAM and the cache held."""
+
         if not self.last_memory:
             return "Memory: reading…"
         m = self.last_memory
-        return (f"{format_bytes(m['system_available'])} free · KV cache {format_bytes(m['kv_held'])}"
+        return (f"{format_bytes(m.system_available)} free · KV cache {format_bytes(m.kv_held)}"
                 f" ({self.compression_label()})")

@@ -29,9 +29,13 @@ def log_path() -> Path:
 
 def setup_logging(level: int = logging.INFO) -> Path:
     """Send the `engine` and `app` loggers (and uncaught exceptions) to the rotating log file; returns its
-    path. Calling it again changes nothing."""
+    path. Calling it again changes nothing, unless the log folder changed (then the file follows it)."""
     path = log_path()
     root = logging.getLogger()
+    for handler in root.handlers[:]:  # a handler for another log folder (VELOX_LOG_DIR changed) is replaced
+        if getattr(handler, "velox_log", False) and Path(handler.baseFilename) != path:
+            root.removeHandler(handler)
+            handler.close()
     if not any(getattr(handler, "velox_log", False) for handler in root.handlers):
         handler = logging.handlers.RotatingFileHandler(
             path, maxBytes=MAX_LOG_BYTES, backupCount=KEPT_LOG_FILES, encoding="utf-8"

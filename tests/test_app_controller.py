@@ -6,12 +6,17 @@ reopen) and checks what a person would see and what is on disk.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from app.controller import ChatController, reply_caption
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore
+from engine.chat.session import GenerationStats
+from engine.models.catalog import hf_cached_snapshot
 from engine.planning.recommend import level_by_key
+from tests.hub_server import HubState, serve_hub
 
 WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
 
@@ -77,13 +82,13 @@ def test_stop_keeps_the_partial_reply_marked_as_stopped(make_controller, qtbot):
 
     entry = controller.entries[-1]
     assert entry.cancelled and entry.caption.endswith("stopped")
-    assert entry.stats["finish_reason"] == "cancelled"
-    assert entry.stats["generated_tokens"] < 24
+    assert entry.stats.finish_reason == "cancelled"
+    assert entry.stats.generated_tokens < 24
     _meta, stored = controller.store.load_conversation(controller.conversation_id)
     assert stored[-1].cancelled and stored[-1].content == entry.text
     # The session is consistent: the next question works and reuses the cache.
     reply(qtbot, controller, "Thanks. What is 2 + 2?")
-    assert controller.last_stats["reused_tokens"] > 0
+    assert controller.last_stats.reused_tokens > 0
     assert not controller.entries[-1].cancelled
 
 
@@ -112,13 +117,13 @@ def test_compression_switch_mid_chat_shrinks_the_held_cache(make_controller, qtb
     qtbot.waitUntil(lambda: bool(reports) and not controller.busy, timeout=WAIT_MS)
 
     report = reports[-1]
-    assert report["available"], report["message"]
-    assert report["after"] < report["before"] / 2
-    assert controller.kv_held == report["after"] < held_before
+    assert report.available, report.message
+    assert report.after < report.before / 2
+    assert controller.kv_held == report.after < held_before
     assert controller.level_key == "4" and controller.settings.compression == "4"
     # The conversation goes on in the compressed cache without re-reading it.
     reply(qtbot, controller, "And of Germany?")
-    assert controller.last_stats["reused_tokens"] > 0
+    assert controller.last_stats.reused_tokens > 0
     assert controller.entries[-1].text
     _meta, stored = controller.store.load_conversation(controller.conversation_id)
     assert stored[-1].compression.startswith("4-bit")
@@ -132,12 +137,15 @@ def test_restart_reopens_the_last_conversation(make_controller, qtbot):
 
     restarted = make_controller()
     assert [(e.role, e.text) for e in restarted.entries] == texts
+    # The saved reply keeps its figures: the same GenerationStats, so the same caption.
+    assert restarted.entries[-1].stats == first.entries[-1].stats is not None
+    assert restarted.entries[-1].caption == first.entries[-1].caption and "tok/s" in first.entries[-1].caption
     assert restarted.conversation_id == first.conversation_id
     # The engine got the history back: a follow-up sees the earlier turn.
     qtbot.waitUntil(lambda: restarted.engine.worker.session is not None
                     and len(restarted.engine.worker.session.history) == 2, timeout=WAIT_MS)
     reply(qtbot, restarted, "And of Germany?")
-    assert restarted.last_stats["prompt_tokens"] > 40  # both turns were in the prompt
+    assert restarted.last_stats.prompt_tokens > 40  # both turns were in the prompt
     assert len(restarted.store.load_conversation(restarted.conversation_id)[1]) == 4
 
 
@@ -168,8 +176,8 @@ def test_context_overflow_asks_instead_of_failing_silently(make_controller, qtbo
     assert controller.send("Please summarise the history of the Roman Empire in great detail for me now.")
     qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
 
-    assert "overflows" in asked[0]["message"] and asked[0]["needed"] > asked[0]["limit"] == 40
-    assert asked[0]["text"].startswith("Please summarise")
+    assert "overflows" in asked[0].message and asked[0].needed > asked[0].limit == 40
+    assert asked[0].text.startswith("Please summarise") and not asked[0].regenerate
     assert controller.entries == []  # the unsent question is not shown as sent ...
     assert controller.conversation_id is None  # ... nor saved
     notices = []
@@ -197,10 +205,11 @@ def test_a_regenerate_that_overflows_keeps_the_conversation(make_controller, qtb
 
 
 def test_reply_caption_reads_like_a_status_line():
-    stats = {"generated_tokens": 42, "decode_tokens_per_second": 31.46, "time_to_first_token": 0.4213,
-             "finish_reason": "stop"}
+    stats = GenerationStats(prompt_tokens=60, prefilled_tokens=60, reused_tokens=0, generated_tokens=42,
+                            prefill_tokens_per_second=300.0, decode_tokens_per_second=31.46,
+                            time_to_first_token=0.4213, peak_memory_bytes=1, kv_cache_bytes=1, finish_reason="stop")
     assert reply_caption(stats) == "42 tokens · 31.5 tok/s · first token 0.42 s"
-    assert reply_caption({**stats, "finish_reason": "cancelled"}).endswith("· stopped")
+    assert reply_caption(replace(stats, finish_reason="cancelled")).endswith("· stopped")
     assert reply_caption(None, cancelled=True) == "stopped"
 
 
@@ -218,3 +227,76 @@ def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_co
     assert "would need" in errors[0] and "free can be used safely" in errors[0]
     assert controller.entries == [] and controller.conversation_id is None
     assert controller.store.list_conversations() == []
+
+
+def test_download_job_fetches_a_model_through_the_hub_then_loads_it(make_controller, qtbot, default_model_path,
+                                                                    tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    controller = make_controller()
+    repo = "mlx-community/SmolLM2-135M-Instruct"
+    state = HubState(repo, default_model_path)
+    progress: list[tuple[str, float]] = []
+    finished: list[str] = []
+    failed: list[str] = []
+    loaded = []
+    controller.downloadProgress.connect(lambda message, fraction: progress.append((message, fraction)))
+    controller.downloadFinished.connect(finished.append)
+    controller.downloadFailed.connect(failed.append)
+    controller.modelChanged.connect(loaded.append)
+    with serve_hub(state) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        # Stop once part of the weights arrived: the download fails with a sentence, and nothing usable is left.
+        state.delay_per_chunk_s = 0.002
+
+        def cancel_midway(_message: str, fraction: float) -> None:
+            if 0.1 < fraction < 0.9:
+                controller.cancel_download()
+
+        controller.downloadProgress.connect(cancel_midway)
+        controller.download_model("SmolLM2-135M-Instruct")
+        qtbot.waitUntil(lambda: bool(failed), timeout=WAIT_MS)
+        assert "cancelled" in failed[0] and not finished and hf_cached_snapshot(repo) is None
+        controller.downloadProgress.disconnect(cancel_midway)
+
+        # Asked again, it resumes, reports its progress, and the app loads the downloaded model.
+        state.delay_per_chunk_s = 0.0
+        progress.clear()
+        controller.download_model(repo)
+        qtbot.waitUntil(lambda: bool(loaded) and not controller.busy, timeout=WAIT_MS)
+    assert finished == [str(hf_cached_snapshot(repo))]
+    assert progress[0][1] < 0 and "Contacting" in progress[0][0]  # size not known yet
+    fractions = [fraction for _message, fraction in progress if fraction >= 0]
+    assert fractions[0] > 0.1 and fractions[-1] == 1.0  # it started where the cancelled run stopped
+    assert any(rng.startswith("bytes=") and rng != "bytes=0-" for _path, rng in state.requests)
+    assert loaded[-1].path == finished[0] and controller.settings.last_model == finished[0]
+    assert loaded[-1].parameters == controller.model.parameters > 100_000_000
+
+
+def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_controller, qtbot, monkeypatch,
+                                                                          caplog):
+    from app.logs import log_path
+
+    controller = make_controller()
+    session = controller.engine.worker.session
+
+    def broken_send(text, settings):
+        raise RuntimeError("metal kernel exploded\nTraceback line that must not reach the user")
+        yield  # a generator, like ChatSession.send
+
+    monkeypatch.setattr(session, "send", broken_send)
+    busy_changes: list[tuple[bool, str]] = []
+    controller.engine.worker.busyChanged.connect(lambda busy, what: busy_changes.append((busy, what)))
+    errors: list[str] = []
+    controller.errorRaised.connect(errors.append)
+    assert controller.send("What is the capital of France?")
+    qtbot.waitUntil(lambda: bool(errors) and not controller.busy, timeout=WAIT_MS)
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert errors[0].startswith("The reply failed. Unexpected error (RuntimeError: metal kernel exploded).")
+    assert errors[0].endswith(f"The details are in {log_path()}.")
+    assert "Traceback line that must not reach the user" in caplog.text  # the whole error is in the log
+    assert busy_changes == [(True, "thinking"), (False, "")]
+    assert controller.entries == []  # the question was never accepted
+    monkeypatch.undo()
+    reply(qtbot, controller, "What is 2 + 2?")  # the worker thread is alive and answers
+    assert controller.entries[-1].text

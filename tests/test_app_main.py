@@ -45,7 +45,7 @@ def test_run_app_without_a_tray_is_a_window_that_quits_when_closed(qapp, tmp_pat
     assert isinstance(window, ChatWindow) and window.quit_on_close and seen["quit_on_last"]
     assert not window.isVisible()
     assert window.controller._shut_down, "quitting stopped the engine thread"
-    assert window.controller.model["name"] == "SmolLM2-135M-Instruct"
+    assert window.controller.model.name == "SmolLM2-135M-Instruct"
     assert (tmp_path / "velox.sqlite3").exists() and (tmp_path / "settings.json").exists()
 
 

@@ -1,5 +1,6 @@
 """The chat window offscreen against the real engine: typing and Enter, streamed bubbles, documents with fit
-verdicts, a bad document, restart, the model picker offline, and an event loop that never stalls."""
+verdicts, a bad document, restart, the model picker offline and downloading from a loopback hub, and an event
+loop that never stalls."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_event_loop_stays_responsive_while_generating(make_window, qtbot):
     wait_idle(qtbot, controller)
     timer.stop()
     elapsed = time.perf_counter() - started
-    assert controller.entries[-1].stats["generated_tokens"] > 5
+    assert controller.entries[-1].stats.generated_tokens > 5
     assert elapsed > 0.5 and len(gaps) > 20
     print(f"event loop: {len(gaps)} ticks, max gap {max(gaps)} ms over {elapsed:.1f} s")
     assert max(gaps) < 200, f"the GUI stalled for {max(gaps)} ms while the model was generating"
@@ -117,15 +118,15 @@ def test_attach_document_shows_fit_verdicts_reads_it_and_the_answer_uses_it(make
                     timeout=WAIT_MS)
     dialog = window.document_dialog
     report = dialog.report
-    assert report["tokens"] > 40 and report["fits_context"]
-    assert [v["key"] for v in report["verdicts"]] == ["16", "8", "4", "3", "2"]
-    assert all(v["fits"] for v in report["verdicts"])
+    assert report.tokens > 40 and report.fits_context
+    assert [v.key for v in report.verdicts] == ["16", "8", "4", "3", "2"]
+    assert all(v.fits for v in report.verdicts)
     assert dialog.verdict_labels["4"].text().startswith("Fits at 4-bit:")
     assert dialog.read_button.isEnabled()
 
     dialog.read_button.click()
     qtbot.waitUntil(lambda: dialog.finished_report is not None, timeout=WAIT_MS)
-    assert not dialog.finished_report["cancelled"]
+    assert not dialog.finished_report.cancelled
     assert dialog.progress.value() == dialog.progress.maximum()
     assert window.pending_names == ["falcon.md"] and window.chips.isVisible()
 
@@ -134,7 +135,7 @@ def test_attach_document_shows_fit_verdicts_reads_it_and_the_answer_uses_it(make
     assert window.messages.bubbles[0].documents_row.count() > 0
     stats = controller.entries[-1].stats
     # The document read beforehand was reused from the cache, not read again ...
-    assert stats["reused_tokens"] >= report["tokens"]
+    assert stats.reused_tokens >= report.tokens
     # ... and the reply draws on it (only the document mentions Falcon or March).
     assert "Falcon" in controller.entries[-1].text or "March" in controller.entries[-1].text
     _meta, stored = controller.store.load_conversation(controller.conversation_id)
@@ -152,12 +153,12 @@ def test_document_that_does_not_fit_the_context_needs_a_choice(make_window, qtbo
     qtbot.waitUntil(lambda: window.document_dialog is not None and window.document_dialog.isVisible(),
                     timeout=WAIT_MS)
     dialog = window.document_dialog
-    assert not dialog.report["fits_context"]
+    assert not dialog.report.fits_context
     assert dialog.overflow_widget.isVisible()
     assert not dialog.read_button.isEnabled(), "no silent overflow: a choice is required"
     dialog.truncate_choice.setChecked(True)
     assert dialog.read_button.isEnabled()
-    assert dialog.choice()["overflow_policy"] == "truncate-middle"
+    assert dialog.choice().overflow_policy == "truncate-middle"
     dialog.cancel_choice.setChecked(True)
     dialog.read_button.click()  # "Close": the document is dropped, nothing was read
     assert not dialog.isVisible() and controller.pending_documents == []
@@ -210,19 +211,19 @@ def test_compression_slider_switches_live_and_the_panel_shows_the_drop(make_wind
     controller.send("What is the capital of France?")
     wait_idle(qtbot, controller)
     controller.refresh_memory()
-    held_16 = window.memory_panel.last_reading["kv_held"]
+    held_16 = window.memory_panel.last_reading.kv_held
     window.compression.choose("4")
     qtbot.waitUntil(lambda: controller.level_key == "4" and not controller.busy, timeout=WAIT_MS)
     reading = controller.refresh_memory()
-    assert 0 < reading["kv_held"] < held_16 / 2
+    assert 0 < reading.kv_held < held_16 / 2
     from engine.planning.memory import format_bytes
 
     gauge = window.memory_panel.kv_gauge
-    assert gauge.value_text == format_bytes(reading["kv_held"])
-    assert gauge.detail_text.startswith(f"16-bit would need {format_bytes(reading['kv_fp16'])}")
-    scale = max(reading["kv_held"], reading["kv_fp16"])
-    assert gauge.fraction == pytest.approx(reading["kv_held"] / scale)
-    assert gauge.marker == pytest.approx(reading["kv_fp16"] / scale)
+    assert gauge.value_text == format_bytes(reading.kv_held)
+    assert gauge.detail_text.startswith(f"16-bit would need {format_bytes(reading.kv_fp16)}")
+    scale = max(reading.kv_held, reading.kv_fp16)
+    assert gauge.fraction == pytest.approx(reading.kv_held / scale)
+    assert gauge.marker == pytest.approx(reading.kv_fp16 / scale)
     assert "Switched live to 4-bit" in window.compression.status.text()
     assert "→" in window.compression.status.text()
     checked = [a.data() for a in window.compression_actions.actions() if a.isChecked()]
@@ -231,9 +232,6 @@ def test_compression_slider_switches_live_and_the_panel_shows_the_drop(make_wind
 
 def test_model_picker_lists_the_default_and_explains_offline_downloads(make_window, qtbot, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     controller, window = make_window()
     window.open_model_picker()
     picker = window.model_picker
@@ -245,6 +243,33 @@ def test_model_picker_lists_the_default_and_explains_offline_downloads(make_wind
     qtbot.waitUntil(lambda: not picker.downloading, timeout=60_000)
     assert "offline" in picker.download_status.text()
     assert "mlx-community/SmolLM2-360M-Instruct" in picker.download_status.text()
+    picker.reject()
+
+
+def test_model_picker_shows_download_progress_and_its_cancel_button_stops_it(make_window, qtbot, tmp_path,
+                                                                          monkeypatch):
+    from engine.models.catalog import hf_cached_snapshot
+    from tests.hub_server import HubState, make_model_folder, serve_hub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    controller, window = make_window()
+    state = HubState("mlx-community/Tiny-Test-4bit", make_model_folder(tmp_path / "remote", 8 * 1024 * 1024),
+                     delay_per_chunk_s=0.01)
+    with serve_hub(state) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        window.open_model_picker()
+        picker = window.model_picker
+        picker.repo_field.setText("Tiny-Test-4bit")
+        picker.download_button.click()
+        qtbot.waitUntil(lambda: picker.download_progress.value() > 100, timeout=WAIT_MS)  # of 1000
+        assert picker.download_progress.isVisible() and picker.download_button.text() == "Cancel"
+        assert "Downloading mlx-community/Tiny-Test-4bit:" in picker.download_status.text()
+        picker.download_button.click()
+        qtbot.waitUntil(lambda: not picker.downloading, timeout=WAIT_MS)
+    assert "cancelled" in picker.download_status.text() and picker.download_button.text() == "Download"
+    assert hf_cached_snapshot("mlx-community/Tiny-Test-4bit") is None
+    assert controller.model.name == "SmolLM2-135M-Instruct"  # the loaded model stays
     picker.reject()
 
 
@@ -267,14 +292,14 @@ def test_drag_and_drop_a_document_opens_its_fit_dialog_and_stop_cancels_reading(
     qtbot.waitUntil(lambda: window.document_dialog is not None and window.document_dialog.isVisible(),
                     timeout=WAIT_MS)
     dialog = window.document_dialog
-    assert dialog.report["tokens"] > 2000  # several 512-token prefill chunks
+    assert dialog.report.tokens > 2000  # several 512-token prefill chunks
 
     dialog.read_button.click()
     assert controller.busy and controller.busy_what == "reading"
     qtbot.waitUntil(lambda: dialog.progress.value() > 0, timeout=WAIT_MS)
     dialog.cancel_button.click()  # "Stop"
     qtbot.waitUntil(lambda: dialog.finished_report is not None and not controller.busy, timeout=WAIT_MS)
-    assert dialog.finished_report["cancelled"] and not dialog.finished_report["failed"]
+    assert dialog.finished_report.cancelled and not dialog.finished_report.failed
     assert "cancelled" in dialog.progress_label.text()
     assert controller.pending_documents == [] and window.pending_names == []
     assert controller.engine.worker.session.pending_documents == []

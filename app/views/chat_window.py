@@ -35,7 +35,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController, ChatEntry
+from app.controller import ChatController, ChatEntry, OpenedConversation
+from app.payloads import (
+    CompressionReport,
+    DocumentInspection,
+    IngestChoice,
+    IngestResult,
+    ModelSummary,
+    Overflow,
+    PendingDocument,
+)
 from app.views.widgets import icons
 from app.views.widgets.compression_slider import CompressionSlider
 from app.views.widgets.conversation_list import ConversationList
@@ -56,6 +65,7 @@ INSPECTOR_WIDTH = 292
 PROGRESS_MIN_TOKENS = 256
 BUSY_TEXT = {"loading": "Loading model…", "thinking": "Thinking…", "reading": "Reading…",
              "compressing": "Re-encoding the cache…"}
+
 
 
 class ChatWindow(QMainWindow):
@@ -240,9 +250,9 @@ class ChatWindow(QMainWindow):
         self.compression_menu = chat_menu.addMenu("Compression")
         self.compression_actions = QActionGroup(self)
         for level in self.controller.levels():
-            action = QAction(level["label"], self, checkable=True)
-            action.setData(level["key"])
-            action.triggered.connect(lambda _checked=False, key=level["key"]: self.compression.choose(key))
+            action = QAction(level.label, self, checkable=True)
+            action.setData(level.key)
+            action.triggered.connect(lambda _checked=False, key=level.key: self.compression.choose(key))
             self.compression_actions.addAction(action)
             self.compression_menu.addAction(action)
 
@@ -311,14 +321,14 @@ class ChatWindow(QMainWindow):
         self.composer.set_model_ready(ctl.model is not None)
 
     # ----- controller -> view ----------------------------------------------------------------------------------
-    def _on_model_changed(self, model: dict[str, Any]) -> None:
-        context = f"{model['max_context'] // 1024}k" if model["max_context"] >= 1024 else str(model["max_context"])
-        self.model_button.setText(f" {model['name']}")
-        self.model_button.setToolTip(f"{model['name']} · {format_parameters(model['parameters'])} parameters · "
-                                     f"{context} context · {format_bytes(model['bytes_on_disk'])} on disk\n"
+    def _on_model_changed(self, model: ModelSummary) -> None:
+        context = f"{model.max_context // 1024}k" if model.max_context >= 1024 else str(model.max_context)
+        self.model_button.setText(f" {model.name}")
+        self.model_button.setToolTip(f"{model.name} · {format_parameters(model.parameters)} parameters · "
+                                     f"{context} context · {format_bytes(model.bytes_on_disk)} on disk\n"
                                      "Click to choose another model")
         self.composer.set_model_ready(True)
-        self.status_label.setText(f"{format_parameters(model['parameters'])} parameters · {context} context")
+        self.status_label.setText(f"{format_parameters(model.parameters)} parameters · {context} context")
         self.composer.input.setFocus()
 
     def _on_busy(self, busy: bool, what: str) -> None:
@@ -341,12 +351,12 @@ class ChatWindow(QMainWindow):
             if meta is not None:
                 self.title_label.setText(meta.title)
 
-    def _on_conversation_opened(self, opened: dict[str, Any]) -> None:
-        self.title_label.setText(opened["title"])
+    def _on_conversation_opened(self, opened: OpenedConversation) -> None:
+        self.title_label.setText(opened.title)
         self.messages.clear()
-        for entry in opened["entries"]:
+        for entry in opened.entries:
             self.messages.add_message(entry.role, entry.text, entry.documents, entry.caption)
-        self.conversation_list.select(opened["id"])
+        self.conversation_list.select(opened.id)
         self.chips.setVisible(False)
 
     def _on_entry_added(self, entry: ChatEntry) -> None:
@@ -369,13 +379,13 @@ class ChatWindow(QMainWindow):
             if done >= total and self.controller.busy:
                 self.status_label.setText("Writing…")
 
-    def _on_pending_documents(self, documents: list[dict[str, Any]]) -> None:
+    def _on_pending_documents(self, documents: list[PendingDocument]) -> None:
         while self.chips_layout.count():
             item = self.chips_layout.takeAt(0)
             if item.widget():
                 item.widget().hide()
                 item.widget().deleteLater()
-        self.pending_names = [d["name"] for d in documents]
+        self.pending_names = [d.name for d in documents]
         if not documents:
             self.chips.setVisible(False)
             return
@@ -383,16 +393,16 @@ class ChatWindow(QMainWindow):
         caption.setObjectName("caption")
         self.chips_layout.addWidget(caption)
         for document in documents:
-            chip = document_chip(f"{document['name']} · {document['tokens']:,} tokens read", colors())
+            chip = document_chip(f"{document.name} · {document.tokens:,} tokens read", colors())
             self.chips_layout.addWidget(chip)
         self.chips_layout.addStretch(1)
         self.chips.setVisible(True)
 
-    def _on_compression_changed(self, report: dict[str, Any]) -> None:
+    def _on_compression_changed(self, report: CompressionReport) -> None:
         self.compression.show_report(report)
-        if report.get("available") or self.controller.model is None:
-            self.compression.set_current(report["key"], report.get("override"))
-            self._check_compression_action(report["key"])
+        if report.available or self.controller.model is None:
+            self.compression.set_current(report.key, report.override)
+            self._check_compression_action(report.key)
         else:
             self.compression.set_current(self.controller.level_key, self.controller.method)
             self._check_compression_action(self.controller.level_key)
@@ -417,7 +427,7 @@ class ChatWindow(QMainWindow):
         if self._queued_documents:
             self.controller.attach_document(self._queued_documents.pop(0))
 
-    def _on_document_inspected(self, report: dict[str, Any]) -> None:
+    def _on_document_inspected(self, report: DocumentInspection) -> None:
         dialog = DocumentDialog(report, self)
         dialog.ingestRequested.connect(self._ingest)
         dialog.stopRequested.connect(self.controller.stop)
@@ -427,15 +437,16 @@ class ChatWindow(QMainWindow):
         dialog.show()
         dialog.raise_()
 
-    def _ingest(self, doc_id: int, choice: dict[str, Any]) -> None:
+    def _ingest(self, doc_id: int, choice: IngestChoice) -> None:
         if not self.controller.ingest_document(doc_id, choice) and self.document_dialog is not None:
-            self.document_dialog.finish({"cancelled": True, "message": "Velox is busy; try again in a moment."})
+            self.document_dialog.finish(IngestResult(doc_id, "", cancelled=True,
+                                                     message="Velox is busy; try again in a moment."))
 
     def _on_ingest_progress(self, done: int, total: int) -> None:
         if self.document_dialog is not None:
             self.document_dialog.set_progress(done, total)
 
-    def _on_document_ingested(self, report: dict[str, Any]) -> None:
+    def _on_document_ingested(self, report: IngestResult) -> None:
         if self.document_dialog is not None:
             self.document_dialog.finish(report)
 
@@ -453,18 +464,18 @@ class ChatWindow(QMainWindow):
             self.attach_paths(paths)
 
     # ----- overflow ---------------------------------------------------------------------------------------------
-    def ask_overflow(self, info: dict[str, Any]) -> None:
+    def ask_overflow(self, info: Overflow) -> None:
         """Never silent: the user picks how the conversation is made to fit, or gives up."""
         box = QMessageBox(self)
         box.setIcon(QMessageBox.Icon.Warning)
         box.setWindowTitle("The conversation is too long")
         box.setText("This message does not fit in the model's context.")
         # The engine's sentence up to "it overflows by N tokens."; the buttons below replace its advice.
-        facts = re.match(r".*?overflows by \d+ tokens\.", info["message"])
-        box.setInformativeText((facts.group(0) if facts else info["message"]) + "\n\nHow should Velox make it fit?")
+        facts = re.match(r".*?overflows by \d+ tokens\.", info.message)
+        box.setInformativeText((facts.group(0) if facts else info.message) + "\n\nHow should Velox make it fit?")
         drop = box.addButton("Drop the oldest turns", QMessageBox.ButtonRole.AcceptRole)
         truncate = None
-        if info.get("has_documents"):
+        if info.has_documents:
             truncate = box.addButton("Leave out the middle of the document", QMessageBox.ButtonRole.AcceptRole)
         cancel = box.addButton("Cancel", QMessageBox.ButtonRole.RejectRole)
         box.setDefaultButton(cancel)
@@ -473,7 +484,7 @@ class ChatWindow(QMainWindow):
             policy = "drop-oldest" if button is drop else "truncate-middle" if button is truncate else None
             self.overflow_box = None
             if policy is None:
-                self.composer.input.setPlainText(info.get("text", ""))
+                self.composer.input.setPlainText(info.text)
             self.controller.resolve_overflow(info, policy)
 
         box.buttonClicked.connect(answered)
@@ -483,7 +494,7 @@ class ChatWindow(QMainWindow):
     # ----- model picker --------------------------------------------------------------------------------------------
     def open_model_picker(self) -> None:
         models = self.controller.list_models()
-        current = self.controller.model["path"] if self.controller.model else ""
+        current = self.controller.model.path if self.controller.model else ""
         picker = ModelPickerDialog(models, current, self)
         picker.loadRequested.connect(self.controller.load_model)
         picker.downloadRequested.connect(self.controller.download_model)

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import QMenu, QSystemTrayIcon, QWidget
 
 from app.assets import asset_path
 from app.logs import log_path
+from app.payloads import MemoryReading
 
 IS_MAC = sys.platform == "darwin"
 
@@ -61,9 +62,9 @@ class TrayIcon(QObject):
         compression = menu.addMenu("Compression")
         self.compression_group = QActionGroup(menu)
         for level in self.controller.levels():
-            action = QAction(level["label"], compression, checkable=True)
-            action.setData(level["key"])
-            action.triggered.connect(lambda _checked=False, key=level["key"]: self._choose_level(key))
+            action = QAction(level.label, compression, checkable=True)
+            action.setData(level.key)
+            action.triggered.connect(lambda _checked=False, key=level.key: self._choose_level(key))
             self.compression_group.addAction(action)
             compression.addAction(action)
         self.memory_action = QAction("Memory: reading…", menu)
@@ -77,14 +78,14 @@ class TrayIcon(QObject):
 
     def _refresh_menu(self) -> None:
         model = self.controller.model
-        self.model_action.setText(f"Model: {model['name']}" if model else "Model: loading…")
+        self.model_action.setText(f"Model: {model.name}" if model else "Model: loading…")
         for action in self.compression_group.actions():
             action.setChecked(action.data() == self.controller.level_key)
         self.memory_action.setText(self.controller.memory_line())
 
-    def _refresh_tooltip(self, _reading: dict[str, Any]) -> None:
+    def _refresh_tooltip(self, _reading: MemoryReading) -> None:
         model = self.controller.model
-        name = model["name"] if model else "no model"
+        name = model.name if model else "no model"
         self.tray.setToolTip(f"Velox — {name}\n{self.controller.memory_line()}")
 
     def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:

@@ -306,6 +306,16 @@ class ChatSession:
         self.prompt_cache = self._cache_factory(self.model)
         self.cached_tokens = []
 
+    def adopt_saved_cache(self, prompt_cache: list[Any], tokens: list[int]) -> None:
+        """Take over a cache saved earlier (engine.chat.saved_cache) that holds exactly `tokens`, made with
+        this session's model, template and compression (the loader checked that). The next turn reuses
+        its longest common prefix with the rendered conversation, like any cache, so only new tokens run."""
+        offsets = {int(layer.offset) for layer in prompt_cache}
+        if offsets != {len(tokens)}:
+            raise ValueError(f"The cache holds {sorted(offsets)} tokens, not {len(tokens)}.")
+        self.prompt_cache = prompt_cache
+        self.cached_tokens = list(tokens)
+
     def replace_cache(self, prompt_cache: list[Any], cache_factory: CacheFactory | None = None) -> None:
         """Swap in a cache holding the same tokens (used by the live compression switch)."""
         self.prompt_cache = prompt_cache

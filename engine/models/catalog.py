@@ -644,7 +644,7 @@ def resolve_model(spec: str | None, progress: ProgressCallback | None = None) ->
         if snapshot is None:
             raise ModelError(
                 f"The model {spec} is not downloaded (not in the Hugging Face cache at {hf_hub_cache_dir()}); "
-                "Velox does not download it by itself: fetch it with `huggingface-cli download` first."
+                f"Velox downloads only when asked: run `velox models download {spec}` (or add --download)."
             )
         inspect_model_folder(snapshot, name=spec, source="hf-cache")
         return snapshot

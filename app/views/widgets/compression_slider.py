@@ -18,14 +18,16 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.payloads import CompressionReport, LevelAdvice, LevelSummary
 from app.views.widgets.theme import colors, qcolor
 from engine.planning.units import format_bytes
 
 HANDLE_WIDTH = 18  # the slider handle's width in the style sheet (16 px + border)
 
 
-def tick_label(level: dict[str, Any]) -> str:
-    return "Off" if level["key"] == "16" else level["key"]
+
+def tick_label(level: LevelSummary) -> str:
+    return "Off" if level.key == "16" else level.key
 
 
 class TickLabels(QWidget):
@@ -65,13 +67,13 @@ class CompressionSlider(QWidget):
 
     levelChosen = Signal(str, object)
 
-    def __init__(self, levels: list[dict[str, Any]], methods: list[Any] | None = None,
+    def __init__(self, levels: list[LevelSummary], methods: list[Any] | None = None,
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.levels = levels
         self.methods = methods or []  # engine.kvcache MethodInfo records
-        self._current_key = levels[0]["key"] if levels else "16"
-        self._recommended: dict[str, Any] | None = None
+        self._current_key = levels[0].key if levels else "16"
+        self._recommended: LevelAdvice | None = None
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(6)
@@ -136,27 +138,27 @@ class CompressionSlider(QWidget):
                 self.method_combo.setCurrentIndex(position)
         self._update_recommendation()
 
-    def set_recommendation(self, recommendation: dict[str, Any] | None) -> None:
+    def set_recommendation(self, recommendation: LevelAdvice | None) -> None:
         self._recommended = recommendation
         self._update_recommendation()
 
-    def show_report(self, report: dict[str, Any]) -> None:
-        if not report.get("available"):
-            self.status.setText(report.get("message") or "")
-            self.status.setStyleSheet(f"color: {colors().warn};" if report.get("message") else "")
+    def show_report(self, report: CompressionReport) -> None:
+        if not report.available:
+            self.status.setText(report.message)
+            self.status.setStyleSheet(f"color: {colors().warn};" if report.message else "")
             return
         self.status.setStyleSheet("")
-        before, after = int(report.get("before", 0)), int(report.get("after", 0))
-        text = f"Switched live to {report['label']} ({report.get('method', '')})."
+        before, after = report.before, report.after
+        text = f"Switched live to {report.label} ({report.method})."
         if before or after:
             text += f" Cache {format_bytes(before)} → {format_bytes(after)}."
         self.status.setText(text)
 
     # ----- internals ----------------------------------------------------------------------------------------------
     def _index_of(self, key: str) -> int | None:
-        return next((i for i, level in enumerate(self.levels) if level["key"] == key), None)
+        return next((i for i, level in enumerate(self.levels) if level.key == key), None)
 
-    def selected_level(self) -> dict[str, Any] | None:
+    def selected_level(self) -> LevelSummary | None:
         index = self.slider.value()
         return self.levels[index] if 0 <= index < len(self.levels) else None
 
@@ -165,7 +167,7 @@ class CompressionSlider(QWidget):
             return None
         level = self.selected_level()
         method = self.method_combo.currentData()
-        return None if level is None or method == level["method"] else method
+        return None if level is None or method == level.method else method
 
     def _preview(self, index: int) -> None:
         if not self.levels:
@@ -173,33 +175,33 @@ class CompressionSlider(QWidget):
             return
         level = self.levels[index]
         self.ticks.set_selected(index)
-        if level["key"] == "16":
+        if level.key == "16":
             self.description.setText("<b>Off</b> — keys and values kept as 16-bit floats.")
         else:
-            bits = (f"K{level['key_bits']}/V{level['value_bits']}" if level["key_bits"] != level["value_bits"]
-                    else f"{level['key_bits']}-bit")
-            self.description.setText(f"<b>{level['label']}</b> — {level['method']} {bits}, groups of "
-                                     f"{level['group_size']} · {level['quality_note']}")
+            bits = (f"K{level.key_bits}/V{level.value_bits}" if level.key_bits != level.value_bits
+                    else f"{level.key_bits}-bit")
+            self.description.setText(f"<b>{level.label}</b> — {level.method} {bits}, groups of "
+                                     f"{level.group_size} · {level.quality_note}")
         self._fill_methods(level)
 
-    def _fill_methods(self, level: dict[str, Any]) -> None:
-        wanted = level["key_bits"]
+    def _fill_methods(self, level: LevelSummary) -> None:
+        wanted = level.key_bits
         self.method_combo.blockSignals(True)
         self.method_combo.clear()
         for info in self.methods:
             if wanted in info.supported_bits:
-                suffix = " (default)" if info.name == level["method"] else ""
+                suffix = " (default)" if info.name == level.method else ""
                 self.method_combo.addItem(info.name + suffix, info.name)
                 self.method_combo.setItemData(self.method_combo.count() - 1, info.description,
                                               Qt.ItemDataRole.ToolTipRole)
-        position = self.method_combo.findData(level["method"])
+        position = self.method_combo.findData(level.method)
         if position >= 0:
             self.method_combo.setCurrentIndex(position)
         self.method_combo.blockSignals(False)
 
     def _toggle_advanced(self, on: bool) -> None:
         self.method_combo.setVisible(on)
-        if not on and self.selected_level() and self.selected_level()["key"] == self._current_key:
+        if not on and self.selected_level() and self.selected_level().key == self._current_key:
             self._commit()
 
     def _on_value_changed(self, index: int) -> None:
@@ -212,8 +214,8 @@ class CompressionSlider(QWidget):
         level = self.selected_level()
         if level is None:
             return
-        self._current_key = level["key"]
-        self.levelChosen.emit(level["key"], self.selected_method())
+        self._current_key = level.key
+        self.levelChosen.emit(level.key, self.selected_method())
         self._update_recommendation()
 
     def choose(self, key: str, method: str | None = None) -> None:
@@ -234,17 +236,17 @@ class CompressionSlider(QWidget):
 
     def _update_recommendation(self) -> None:
         r = self._recommended
-        if not r or not r.get("reason"):
+        if not r or not r.reason:
             self.recommendation.setText("")
             self.use_recommended.setVisible(False)
             return
-        if r.get("key"):
-            self.recommendation.setText(f"Recommended: {r['label']}. {r['reason']}")
+        if r.key:
+            self.recommendation.setText(f"Recommended: {r.label}. {r.reason}")
         else:
-            self.recommendation.setText(r["reason"])
-        self.use_recommended.setVisible(bool(r.get("key")) and r["key"] != self._current_key)
-        self.use_recommended.setText(f"Use {r['label']}" if r.get("key") else "")
+            self.recommendation.setText(r.reason)
+        self.use_recommended.setVisible(bool(r.key) and r.key != self._current_key)
+        self.use_recommended.setText(f"Use {r.label}" if r.key else "")
 
     def _accept_recommendation(self) -> None:
-        if self._recommended and self._recommended.get("key"):
-            self.choose(self._recommended["key"])
+        if self._recommended and self._recommended.key:
+            self.choose(self._recommended.key)

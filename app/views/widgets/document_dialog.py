@@ -5,7 +5,6 @@ then the document is read with a progress bar that can be cancelled. Nothing ove
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
@@ -23,42 +22,48 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.payloads import DocumentInspection, IngestChoice, IngestResult
 from app.views.widgets import icons
 from app.views.widgets.theme import colors
 
 TRUNCATE_MIDDLE = "truncate-middle"
 
 
-def default_level(report: dict[str, Any]) -> str:
+
+def _fits(report: DocumentInspection, key: str) -> bool:
+    verdict = report.verdict(key)
+    return verdict is not None and verdict.fits
+
+
+def default_level(report: DocumentInspection) -> str:
     """The level to preselect: the current one if it fits, else the recommendation, else the best that fits."""
-    verdicts = {v["key"]: v for v in report.get("verdicts", [])}
-    current = report.get("current_level", "16")
-    if not verdicts or verdicts.get(current, {}).get("fits"):
+    current = report.current_level
+    if not report.verdicts or _fits(report, current):
         return current
-    recommended = (report.get("recommendation") or {}).get("key")
-    if recommended and verdicts.get(recommended, {}).get("fits"):
+    recommended = report.advice.key if report.advice else ""
+    if recommended and _fits(report, recommended):
         return recommended
-    for verdict in report.get("verdicts", []):
-        if verdict["fits"]:
-            return verdict["key"]
+    for verdict in report.verdicts:
+        if verdict.fits:
+            return verdict.key
     return current
 
 
 class DocumentDialog(QDialog):
     """Shows an inspected document (EngineWorker.documentInspected) and asks how to read it."""
 
-    ingestRequested = Signal(int, object)  # doc_id, choice {'level', 'method', 'overflow_policy'}
+    ingestRequested = Signal(int, object)  # doc_id, IngestChoice
     stopRequested = Signal()
     discarded = Signal(int)
 
-    def __init__(self, report: dict[str, Any], parent: QWidget | None = None) -> None:
+    def __init__(self, report: DocumentInspection, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.report = report
         self.reading = False
-        self.finished_report: dict[str, Any] | None = None
+        self.finished_report: IngestResult | None = None
         self._started = 0.0
         c = colors()
-        self.setWindowTitle(f"Attach {report['name']}")
+        self.setWindowTitle(f"Attach {report.name}")
         self.setModal(False)
         self.setMinimumWidth(520)
         layout = QVBoxLayout(self)
@@ -71,20 +76,20 @@ class DocumentDialog(QDialog):
         header.addWidget(icon, 0, Qt.AlignmentFlag.AlignTop)
         titles = QVBoxLayout()
         titles.setSpacing(2)
-        name = QLabel(report["name"])
+        name = QLabel(report.name)
         name.setStyleSheet("font-size: 12pt; font-weight: 600;")
         name.setTextFormat(Qt.TextFormat.PlainText)
-        facts = QLabel(f"{report['kind'].upper()} · {report['chars']:,} characters · {report['tokens']:,} tokens")
+        facts = QLabel(f"{report.kind.upper()} · {report.chars:,} characters · {report.tokens:,} tokens")
         facts.setObjectName("caption")
         titles.addWidget(name)
         titles.addWidget(facts)
         header.addLayout(titles, 1)
         layout.addLayout(header)
 
-        needed, limit = report["context_needed"], report["context_length"]
+        needed, limit = report.context_needed, report.context_length
         self.context_label = QLabel()
         self.context_label.setWordWrap(True)
-        if report["fits_context"]:
+        if report.fits_context:
             self.context_label.setText(f"With the conversation so far it needs {needed:,} of the model's "
                                        f"{limit:,}-token context.")
         else:
@@ -96,10 +101,10 @@ class DocumentDialog(QDialog):
 
         layout.addWidget(self._verdict_box(report))
 
-        recommendation = report.get("recommendation") or {}
-        if recommendation.get("reason"):
-            text = (f"Recommended: <b>{recommendation['label']}</b>. " if recommendation.get("key") else "")
-            rec = QLabel(text + recommendation["reason"])
+        advice = report.advice
+        if advice is not None and advice.reason:
+            text = f"Recommended: <b>{advice.label}</b>. " if advice.key else ""
+            rec = QLabel(text + advice.reason)
             rec.setWordWrap(True)
             rec.setObjectName("caption")
             layout.addWidget(rec)
@@ -107,12 +112,11 @@ class DocumentDialog(QDialog):
         level_row = QHBoxLayout()
         level_row.addWidget(QLabel("Compression:"))
         self.level_combo = QComboBox()
-        for verdict in report.get("verdicts", []):
-            status = "fits" if verdict["fits"] else ("not available" if not verdict.get("supported", True)
-                                                     else "does not fit")
-            self.level_combo.addItem(f"{verdict['label']} — {status}", verdict["key"])
-        if not report.get("verdicts"):
-            self.level_combo.addItem("Current level", report.get("current_level", "16"))
+        for verdict in report.verdicts:
+            status = "fits" if verdict.fits else ("not available" if not verdict.supported else "does not fit")
+            self.level_combo.addItem(f"{verdict.label} — {status}", verdict.key)
+        if not report.verdicts:
+            self.level_combo.addItem("Current level", report.current_level)
         chosen = self.level_combo.findData(default_level(report))
         self.level_combo.setCurrentIndex(max(chosen, 0))
         self.level_combo.currentIndexChanged.connect(self._update_state)
@@ -132,11 +136,11 @@ class DocumentDialog(QDialog):
         overflow_box.addWidget(self.cancel_choice)
         self.overflow_widget = QWidget()
         self.overflow_widget.setLayout(overflow_box)
-        self.overflow_widget.setVisible(not report["fits_context"])
+        self.overflow_widget.setVisible(not report.fits_context)
         layout.addWidget(self.overflow_widget)
 
         self.progress = QProgressBar()
-        self.progress.setRange(0, max(report["tokens"], 1))
+        self.progress.setRange(0, max(report.tokens, 1))
         self.progress.setValue(0)
         self.progress.setVisible(False)
         self.progress_label = QLabel("")
@@ -162,7 +166,7 @@ class DocumentDialog(QDialog):
         layout.addLayout(buttons)
         self._update_state()
 
-    def _verdict_box(self, report: dict[str, Any]) -> QWidget:
+    def _verdict_box(self, report: DocumentInspection) -> QWidget:
         c = colors()
         box = QFrame()
         box.setObjectName("verdicts")
@@ -174,25 +178,25 @@ class DocumentDialog(QDialog):
         title = QLabel("MEMORY AT EACH LEVEL")
         title.setObjectName("sectionTitle")
         grid.addWidget(title, 0, 0, 1, 2)
-        verdicts = report.get("verdicts", [])
+        verdicts = report.verdicts
         if not verdicts:
             missing = QLabel("Fit verdicts are not available in this engine yet.")
             missing.setObjectName("caption")
             grid.addWidget(missing, 1, 0, 1, 2)
         self.verdict_labels: dict[str, QLabel] = {}
         for row, verdict in enumerate(verdicts, start=1):
-            mark = QLabel("✓" if verdict["fits"] else "✕")
-            mark.setStyleSheet(f"color: {c.good if verdict['fits'] else c.bad}; font-weight: 700;")
-            text = verdict["sentence"]
+            mark = QLabel("✓" if verdict.fits else "✕")
+            mark.setStyleSheet(f"color: {c.good if verdict.fits else c.bad}; font-weight: 700;")
+            text = verdict.sentence
             text = text[0].upper() + text[1:] if text else text
-            if verdict["key"] == report.get("current_level"):
+            if verdict.key == report.current_level:
                 text += "  (current)"
             label = QLabel(text)
             label.setWordWrap(True)
             label.setTextFormat(Qt.TextFormat.PlainText)
             grid.addWidget(mark, row, 0, Qt.AlignmentFlag.AlignTop)
             grid.addWidget(label, row, 1)
-            self.verdict_labels[verdict["key"]] = label
+            self.verdict_labels[verdict.key] = label
         grid.setColumnStretch(1, 1)
         return box
 
@@ -200,16 +204,13 @@ class DocumentDialog(QDialog):
     def chosen_level(self) -> str:
         return str(self.level_combo.currentData())
 
-    def choice(self) -> dict[str, Any]:
-        return {
-            "level": self.chosen_level(),
-            "method": None,
-            "overflow_policy": TRUNCATE_MIDDLE if self.truncate_choice.isChecked() else None,
-        }
+    def choice(self) -> IngestChoice:
+        return IngestChoice(level=self.chosen_level(),
+                            overflow_policy=TRUNCATE_MIDDLE if self.truncate_choice.isChecked() else None)
 
     def _level_fits(self, key: str) -> bool:
-        verdicts = {v["key"]: v for v in self.report.get("verdicts", [])}
-        return verdicts.get(key, {"fits": True})["fits"]
+        verdict = self.report.verdict(key)
+        return verdict is None or verdict.fits
 
     def _update_state(self) -> None:
         if self.reading:
@@ -217,7 +218,7 @@ class DocumentDialog(QDialog):
         problems = []
         if not self._level_fits(self.chosen_level()):
             problems.append("The cache would not fit in memory at this level: choose a smaller level.")
-        if not self.report["fits_context"] and not self.truncate_choice.isChecked():
+        if not self.report.fits_context and not self.truncate_choice.isChecked():
             problems.append("Choose whether to leave out the middle of the document.")
         if self.cancel_choice.isChecked():
             problems = []
@@ -243,7 +244,7 @@ class DocumentDialog(QDialog):
         self.progress_label.setText("Starting…")
         self.hint.setText("")
         self.hint.setVisible(False)
-        self.ingestRequested.emit(int(self.report["doc_id"]), self.choice())
+        self.ingestRequested.emit(self.report.doc_id, self.choice())
 
     def set_progress(self, done: int, total: int) -> None:
         self.progress.setRange(0, max(total, 1))
@@ -252,12 +253,12 @@ class DocumentDialog(QDialog):
         rate = f" · {done / elapsed:.0f} tok/s" if elapsed > 0 and done else ""
         self.progress_label.setText(f"Reading {done:,} of {total:,} tokens{rate}")
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def finish(self, result: IngestResult) -> None:
         """The worker's documentIngested report: close on success, show why otherwise."""
         self.finished_report = result
         self.reading = False
-        if result.get("cancelled"):
-            self.progress_label.setText(result.get("message") or "Cancelled.")
+        if result.cancelled:
+            self.progress_label.setText(result.message or "Cancelled.")
             self.cancel_button.setText("Close")
             self.read_button.setVisible(False)
             return
@@ -276,12 +277,12 @@ class DocumentDialog(QDialog):
             self.reject()
 
     def _discard(self) -> None:
-        self.discarded.emit(int(self.report["doc_id"]))
+        self.discarded.emit(self.report.doc_id)
         self.reject()
 
     def closeEvent(self, event) -> None:  # noqa: ANN001 - Qt override
         if self.reading:
             self.stopRequested.emit()
         elif self.finished_report is None:
-            self.discarded.emit(int(self.report["doc_id"]))
+            self.discarded.emit(self.report.doc_id)
         super().closeEvent(event)

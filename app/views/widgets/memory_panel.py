@@ -3,13 +3,13 @@ of prefill/decode speed, and the last reply's time to first token."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
+from app.payloads import MemoryReading
 from app.views.widgets.gauge import Gauge
 from app.views.widgets.theme import colors
 from app.views.widgets.throughput_plot import ThroughputPlot
+from engine.chat.session import GenerationStats
 from engine.planning.units import format_bytes
 
 
@@ -53,22 +53,22 @@ class MemoryPanel(QWidget):
             facts.addWidget(value, row, 1)
         facts.setColumnStretch(1, 1)
         layout.addLayout(facts)
-        self.last_reading: dict[str, Any] | None = None
+        self.last_reading: MemoryReading | None = None
 
-    def update_memory(self, m: dict[str, Any]) -> None:
+    def update_memory(self, m: MemoryReading) -> None:
         c = colors()
         self.last_reading = m
-        total = max(int(m["system_total"]), 1)
-        pressure_color = {"normal": c.good, "warning": c.warn, "critical": c.bad}.get(m["pressure"], c.accent)
+        total = max(m.system_total, 1)
+        pressure_color = {"normal": c.good, "warning": c.warn, "critical": c.bad}.get(m.pressure, c.accent)
         self.system_gauge.set_value(
-            m["system_used"] / total, f"{format_bytes(m['system_used'])} of {format_bytes(total)}",
-            f"{format_bytes(m['system_available'])} available · pressure {m['pressure']}", pressure_color)
-        self.process_gauge.set_value(m["process_rss"] / total, format_bytes(m["process_rss"]),
+            m.system_used / total, f"{format_bytes(m.system_used)} of {format_bytes(total)}",
+            f"{format_bytes(m.system_available)} available · pressure {m.pressure}", pressure_color)
+        self.process_gauge.set_value(m.process_rss / total, format_bytes(m.process_rss),
                                      "resident in RAM", c.accent)
-        self.mlx_gauge.set_value(m["mlx_active"] / total, format_bytes(m["mlx_active"]),
-                                 f"peak {format_bytes(m['mlx_peak'])} · free-list {format_bytes(m['mlx_cache'])}",
+        self.mlx_gauge.set_value(m.mlx_active / total, format_bytes(m.mlx_active),
+                                 f"peak {format_bytes(m.mlx_peak)} · free-list {format_bytes(m.mlx_cache)}",
                                  c.accent)
-        held, fp16 = int(m["kv_held"]), int(m["kv_fp16"])
+        held, fp16 = m.kv_held, m.kv_fp16
         scale = max(held, fp16, 1)
         if fp16 > 0:
             detail = f"16-bit would need {format_bytes(fp16)}"
@@ -82,7 +82,7 @@ class MemoryPanel(QWidget):
     def add_throughput(self, phase: str, tokens_per_second: float) -> None:
         self.plot.add_sample(phase, tokens_per_second)
 
-    def update_stats(self, stats: dict[str, Any]) -> None:
-        self.ttft_value.setText(f"{stats['time_to_first_token']:.2f} s")
-        self.prompt_value.setText(f"{stats['prompt_tokens']} tokens ({stats['reused_tokens']} reused)")
-        self.peak_value.setText(format_bytes(stats["peak_memory_bytes"]))
+    def update_stats(self, stats: GenerationStats) -> None:
+        self.ttft_value.setText(f"{stats.time_to_first_token:.2f} s")
+        self.prompt_value.setText(f"{stats.prompt_tokens} tokens ({stats.reused_tokens} reused)")
+        self.peak_value.setText(format_bytes(stats.peak_memory_bytes))
