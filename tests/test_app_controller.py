@@ -198,7 +198,7 @@ def test_a_regenerate_that_overflows_keeps_the_conversation(make_controller, qtb
     controller.overflowChoiceNeeded.connect(asked.append)
     assert controller.regenerate()
     qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
-    assert asked[0]["regenerate"] is True and asked[0]["needed"] == asked[0]["limit"] + 1
+    assert asked[0].regenerate is True and asked[0].needed == asked[0].limit + 1
     assert session.history == history and session.cached_tokens == cached and session.pending_documents == []
     assert [e.role for e in controller.entries] == ["user", "assistant"]
     assert controller.entries[-1].text == history[-1].content
