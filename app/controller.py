@@ -9,6 +9,7 @@ Tests drive it directly (send, stop, attach, switch compression) without creatin
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,11 @@ TITLE_LENGTH = 48
 # A streaming reply is written to the database at most this often (a transaction without fsync, on the GUI
 # thread), so a crash of the app loses at most this much of what was shown.
 PARTIAL_SAVE_INTERVAL_S = 1.0
+# The overflow dialog's button for each policy the engine can apply.
+OVERFLOW_CHOICE_LABELS = {
+    "drop-oldest": "Drop the oldest turns",
+    "truncate-middle": "Leave out the middle of the document",
+}
 
 
 @dataclass
@@ -94,6 +100,35 @@ def reply_caption(stats: GenerationStats | None, cancelled: bool = False, interr
     if cancelled or stats.finish_reason == "cancelled":
         parts.append("stopped")
     return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class OverflowQuestion:
+    """What the overflow dialog says, and the choices it offers: only policies that make the message fit.
+    No choices: it says plainly that the message does not fit, and offers none."""
+
+    text: str
+    detail: str
+    choices: tuple[tuple[str, str], ...]  # (policy, button label)
+
+
+def overflow_question(info: Overflow) -> OverflowQuestion:
+    """The overflow dialog's content for `info` (the widget only shows it)."""
+    # The engine's sentence up to "it overflows by N tokens."; the choices replace its advice.
+    facts = re.match(r".*?overflows by \d+ tokens\.", info.message)
+    facts_text = facts.group(0) if facts else info.message
+    choices = tuple((policy, OVERFLOW_CHOICE_LABELS[policy]) for policy in info.remedies
+                    if policy in OVERFLOW_CHOICE_LABELS)
+    if choices:
+        return OverflowQuestion("This message does not fit in the model's context.",
+                                f"{facts_text}\n\nHow should Velox make it fit?", choices)
+    if info.has_documents:
+        advice = ("Neither dropping the oldest turns nor leaving out the middle of the document makes it fit. "
+                  "Start a new chat, or shorten the message or the document.")
+    else:
+        advice = ("Even on its own this message is too long for the model's context, so there is nothing "
+                  "Velox can leave out. Shorten the message.")
+    return OverflowQuestion("This message does not fit in the model's context.", f"{facts_text}\n\n{advice}", ())
 
 
 def conversation_title(text: str) -> str:
@@ -541,9 +576,12 @@ class ChatController(QObject):
         self.overflowChoiceNeeded.emit(info)
 
     def resolve_overflow(self, info: Overflow, policy: str | None) -> None:
-        """The user's answer to an overflow: 'drop-oldest', 'truncate-middle', or None to give up."""
+        """The user's answer to an overflow: one of `info.remedies`, or None to give up."""
         if policy is None:
             self.noticeRaised.emit("Nothing was sent: the conversation does not fit in the model's context.")
+            return
+        if policy not in info.remedies:
+            self.noticeRaised.emit(f"Nothing was sent: '{policy}' cannot make this conversation fit.")
             return
         if info.regenerate:
             self.regenerate(overflow_policy=policy)

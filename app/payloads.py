@@ -107,6 +107,7 @@ class Overflow:
     limit: int
     has_documents: bool
     regenerate: bool
+    remedies: tuple[str, ...] = ()  # the overflow policies that make it fit (ChatSession.overflow_remedies)
 
 
 @dataclass(frozen=True)

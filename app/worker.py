@@ -269,6 +269,8 @@ class EngineWorker(QObject):
                     text=text, message=str(error), needed=error.needed_tokens, limit=error.limit_tokens,
                     has_documents=any(m.documents for m in session.history) or bool(session.pending_documents),
                     regenerate=regenerate,
+                    # Only what can work is offered: tried on the rendered conversation, nothing changes.
+                    remedies=session.overflow_remedies(text, settings, regenerate=regenerate),
                 ))
                 return
             if stats is not None:

@@ -78,14 +78,15 @@ def main() -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
-    from app.main import RESOURCES, apply_theme, build_app
+    from app.assets import asset_path
+    from app.main import apply_theme, build_app
     from app.settings import Settings, save_settings
     from engine.models.catalog import load_model
     from engine.models.default_model import ensure_default_model
 
     app = QApplication(sys.argv[:1])
     app.setApplicationName("Velox")
-    app.setWindowIcon(QIcon(str(RESOURCES / "velox-icon.png")))
+    app.setWindowIcon(QIcon(str(asset_path("velox-icon.png"))))
     apply_theme(app, args.theme)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,8 +128,9 @@ def main() -> int:
 
     # 3. Switch compression live mid-conversation and show the memory panel's bytes drop.
     window.compression.choose("4")
-    wait_until(app, lambda: not controller.busy, 300, "the compression switch")
-    settle(app, 2.5)  # two memory polls
+    # The switch is queued to the worker: wait for its report, not just for an idle worker.
+    wait_until(app, lambda: controller.level_key == "4" and not controller.busy, 300, "the compression switch")
+    settle(app, 2.5)  # two memory polls after the switch, so the panel shows the compressed cache
     save(window, out / f"document-chat{suffix}.png")
     save(window.inspector, out / f"memory-panel{suffix}.png")
 

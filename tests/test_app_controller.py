@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from app.controller import ChatController, reply_caption
+from app.controller import ChatController, overflow_question, reply_caption
+from app.payloads import IngestChoice
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore
-from engine.chat.session import GenerationStats
+from engine.chat.session import GenerationStats, Message
 from engine.models.catalog import hf_cached_snapshot
 from engine.planning.recommend import level_by_key
 from tests.hub_server import HubState, serve_hub
@@ -202,6 +203,112 @@ def test_a_regenerate_that_overflows_keeps_the_conversation(make_controller, qtb
     assert session.history == history and session.cached_tokens == cached and session.pending_documents == []
     assert [e.role for e in controller.entries] == ["user", "assistant"]
     assert controller.entries[-1].text == history[-1].content
+
+
+def overflow_of(qtbot, controller: ChatController, text: str):
+    """Send `text` and return the Overflow the controller asked about (the turn must overflow)."""
+    asked = []
+    controller.overflowChoiceNeeded.connect(asked.append)
+    try:
+        assert controller.send(text)
+        qtbot.waitUntil(lambda: bool(asked) and not controller.busy, timeout=WAIT_MS)
+    finally:
+        controller.overflowChoiceNeeded.disconnect(asked.append)
+    return asked[0]
+
+
+def test_a_single_turn_that_overflows_is_offered_nothing_that_cannot_work(make_controller, qtbot):
+    """One question, no document: dropping older turns cannot help, so it is not offered; the dialog says plainly
+    that the message does not fit, and a forced 'drop-oldest' answer sends nothing."""
+    controller = make_controller()
+    controller.engine.worker.session.context_length = 40
+    info = overflow_of(qtbot, controller, "Please summarise the history of the Roman Empire in great detail for me.")
+
+    assert info.remedies == () and not info.has_documents
+    question = overflow_question(info)
+    assert question.choices == ()
+    assert "overflows by" in question.detail and "Shorten the message" in question.detail
+    assert "drop" not in question.detail.lower()
+    notices = []
+    controller.noticeRaised.connect(notices.append)
+    controller.resolve_overflow(info, "drop-oldest")
+    assert notices == ["Nothing was sent: 'drop-oldest' cannot make this conversation fit."]
+    assert not controller.busy and controller.entries == [] and controller.store.list_conversations() == []
+
+
+def test_an_overflow_after_earlier_turns_offers_dropping_them_and_that_answers(make_controller, qtbot):
+    controller = make_controller()
+    reply(qtbot, controller, "Name a colour.")
+    session = controller.engine.worker.session
+    question = "Name a fruit."
+    alone = len(session.render_tokens([Message("user", question)]))
+    session.context_length = alone + 12 + 4  # the question alone fits with room for its reply; the history not
+    info = overflow_of(qtbot, controller, question)
+
+    assert info.remedies == ("drop-oldest",)
+    assert overflow_question(info).choices == (("drop-oldest", "Drop the oldest turns"),)
+    finished = []
+    controller.replyFinished.connect(finished.append)
+    controller.resolve_overflow(info, "drop-oldest")
+    qtbot.waitUntil(lambda: bool(finished) and not controller.busy, timeout=WAIT_MS)
+    answered = session.tokenizer.decode(session.cached_tokens)
+    assert finished[0].text and question in answered and "colour" not in answered  # the older turn left out
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert [m.content for m in stored if m.role == "user"] == ["Name a colour.", question]  # nothing lost on disk
+
+
+def test_a_single_turn_with_a_document_that_overflows_is_offered_only_the_cut(make_controller, qtbot, tmp_path):
+    controller = make_controller()
+    path = tmp_path / "harbour.txt"
+    path.write_text(" ".join(f"On day {day} the harbour master counted {day * 7} boats and wrote it down."
+                             for day in range(1, 40)), encoding="utf-8")
+    inspected, ingested = [], []
+    controller.documentInspected.connect(inspected.append)
+    controller.documentIngested.connect(ingested.append)
+    controller.attach_document(str(path))
+    qtbot.waitUntil(lambda: bool(inspected) and not controller.busy, timeout=WAIT_MS)
+    assert controller.ingest_document(inspected[0].doc_id, IngestChoice())
+    qtbot.waitUntil(lambda: bool(ingested) and not controller.busy, timeout=WAIT_MS)
+    assert not ingested[0].cancelled and ingested[0].tokens > 300
+    session = controller.engine.worker.session
+    question = "How many boats were counted on day 3?"
+    whole = len(session.render_tokens([Message("user", question, list(session.pending_documents))]))
+    session.context_length = whole + 12 - 100  # 100 tokens too many: the document's middle can give them
+
+    info = overflow_of(qtbot, controller, question)
+    assert info.has_documents and info.remedies == ("truncate-middle",)
+    assert overflow_question(info).choices == (("truncate-middle", "Leave out the middle of the document"),)
+    assert controller.entries == [] and controller.pending_documents  # nothing sent, the document still waits
+    finished = []
+    controller.replyFinished.connect(finished.append)
+    controller.resolve_overflow(info, "truncate-middle")
+    qtbot.waitUntil(lambda: bool(finished) and not controller.busy, timeout=WAIT_MS)
+    assert finished[0].text and not finished[0].cancelled
+    assert "tokens omitted" in session.tokenizer.decode(session.cached_tokens)  # the answer read the cut document
+    _meta, stored = controller.store.load_conversation(controller.conversation_id)
+    assert stored[0].documents[0].name == "harbour.txt" and "day 39" in stored[0].documents[0].text
+
+
+def test_a_document_too_long_even_when_cut_says_so_and_offers_nothing(make_controller, qtbot, tmp_path):
+    controller = make_controller()
+    path = tmp_path / "harbour.txt"
+    path.write_text(" ".join(f"Boat {n} came in." for n in range(1, 60)), encoding="utf-8")
+    inspected, ingested = [], []
+    controller.documentInspected.connect(inspected.append)
+    controller.documentIngested.connect(ingested.append)
+    controller.attach_document(str(path))
+    qtbot.waitUntil(lambda: bool(inspected) and not controller.busy, timeout=WAIT_MS)
+    assert controller.ingest_document(inspected[0].doc_id, IngestChoice())
+    qtbot.waitUntil(lambda: bool(ingested) and not controller.busy, timeout=WAIT_MS)
+    session = controller.engine.worker.session
+    question = "Which boat came in last? " * 8
+    bare = len(session.render_tokens([Message("user", question)]))
+    session.context_length = bare + 12 + 20  # the question fits, but even a cut document (64 tokens kept) not
+
+    info = overflow_of(qtbot, controller, question)
+    assert info.has_documents and info.remedies == ()
+    question_shown = overflow_question(info)
+    assert question_shown.choices == () and "shorten the message or the document" in question_shown.detail
 
 
 def test_reply_caption_reads_like_a_status_line():

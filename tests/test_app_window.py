@@ -164,6 +164,25 @@ def test_document_that_does_not_fit_the_context_needs_a_choice(make_window, qtbo
     assert not dialog.isVisible() and controller.pending_documents == []
 
 
+def test_overflow_dialog_shows_only_the_choices_that_can_work(make_window, qtbot):
+    """A single question too long for the context: the box says so and has one button, no 'drop' offer;
+    OK puts the question back in the composer."""
+    controller, window = make_window()
+    controller.engine.worker.session.context_length = 40
+    question = "Please summarise the history of the Roman Empire in great detail for me."
+    window.composer.input.setPlainText(question)
+    assert controller.send(question)
+    window.composer.input.clear()
+    qtbot.waitUntil(lambda: window.overflow_box is not None and window.overflow_box.isVisible(), timeout=WAIT_MS)
+    box = window.overflow_box
+    assert [button.text() for button in box.buttons()] == ["OK"]
+    assert "Shorten the message" in box.informativeText() and "drop" not in box.informativeText().lower()
+    box.buttons()[0].click()
+    assert window.overflow_box is None and window.composer.input.toPlainText() == question
+    wait_idle(qtbot, controller)
+    assert controller.entries == [] and controller.store.list_conversations() == []
+
+
 def test_bad_document_shows_an_error_and_loses_nothing(make_window, qtbot, tmp_path, monkeypatch):
     controller, window = make_window()
     # A modal box would block the test; the window reports errors in a non-modal banner instead.

@@ -6,7 +6,6 @@ plain data through the controller's signals, so it never waits on the model.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController, ChatEntry, OpenedConversation
+from app.controller import ChatController, ChatEntry, OpenedConversation, overflow_question
 from app.payloads import (
     CompressionReport,
     DocumentInspection,
@@ -466,22 +465,19 @@ class ChatWindow(QMainWindow):
     # ----- overflow ---------------------------------------------------------------------------------------------
     def ask_overflow(self, info: Overflow) -> None:
         """Never silent: the user picks how the conversation is made to fit, or gives up."""
+        question = overflow_question(info)
         box = QMessageBox(self)
         box.setIcon(QMessageBox.Icon.Warning)
         box.setWindowTitle("The conversation is too long")
-        box.setText("This message does not fit in the model's context.")
-        # The engine's sentence up to "it overflows by N tokens."; the buttons below replace its advice.
-        facts = re.match(r".*?overflows by \d+ tokens\.", info.message)
-        box.setInformativeText((facts.group(0) if facts else info.message) + "\n\nHow should Velox make it fit?")
-        drop = box.addButton("Drop the oldest turns", QMessageBox.ButtonRole.AcceptRole)
-        truncate = None
-        if info.has_documents:
-            truncate = box.addButton("Leave out the middle of the document", QMessageBox.ButtonRole.AcceptRole)
-        cancel = box.addButton("Cancel", QMessageBox.ButtonRole.RejectRole)
+        box.setText(question.text)
+        box.setInformativeText(question.detail)
+        buttons = {box.addButton(label, QMessageBox.ButtonRole.AcceptRole): policy
+                   for policy, label in question.choices}
+        cancel = box.addButton("Cancel" if buttons else "OK", QMessageBox.ButtonRole.RejectRole)
         box.setDefaultButton(cancel)
 
         def answered(button: Any) -> None:
-            policy = "drop-oldest" if button is drop else "truncate-middle" if button is truncate else None
+            policy = buttons.get(button)
             self.overflow_box = None
             if policy is None:
                 self.composer.input.setPlainText(info.text)

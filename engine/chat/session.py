@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -420,17 +420,46 @@ class ChatSession:
         """Add a user message and stream the reply: PrefillProgress*, TextChunk*, then GenerationStats.
 
         The history gets the user message and the (possibly partial, if cancelled) reply."""
-        user = Message("user", text, list(self.pending_documents))
-        yield from self._turn(self.history, user, settings)
+        yield from self._turn(*self._next_turn(text, regenerate=False), settings)
 
     def regenerate(self, settings: GenerationSettings | None = None) -> Iterator[Event]:
         """Answer the last user message again, in place of the last reply (which stays until the new turn
         starts: if it cannot, e.g. the conversation no longer fits, nothing changes)."""
+        yield from self._turn(*self._next_turn("", regenerate=True), settings)
+
+    def _next_turn(self, text: str, *, regenerate: bool) -> tuple[list[Message], Message]:
+        """(the messages before it, the user message) of the turn `send(text)` or `regenerate()` would answer."""
+        if not regenerate:
+            return self.history, Message("user", text, list(self.pending_documents))
         if len(self.history) < 2 or self.history[-1].role != "assistant" or self.history[-2].role != "user":
             raise VeloxError("There is no reply to regenerate.")
         asked = self.history[-2]
-        user = Message("user", asked.content, [*asked.documents, *self.pending_documents])
-        yield from self._turn(self.history[:-2], user, settings)
+        return self.history[:-2], Message("user", asked.content, [*asked.documents, *self.pending_documents])
+
+    def overflow_remedies(self, text: str, settings: GenerationSettings | None = None, *,
+                          regenerate: bool = False) -> tuple[str, ...]:
+        """The overflow policies that would make the turn `send(text, settings)` (or `regenerate(settings)`)
+        fit the context, in OVERFLOW_POLICIES order; () when none can (a single turn without a document that
+        is too long, or a document that is too long even with its middle cut). Tries each policy on the
+        rendered conversation only: the session, its history and its cache are not changed."""
+        earlier, user = self._next_turn(text, regenerate=regenerate)
+        candidate = [*earlier, user]
+        base = settings or self.settings
+        remedies = []
+        previous = self.settings
+        try:
+            for policy in OVERFLOW_POLICIES:
+                if policy is None:
+                    continue
+                self.settings = replace(base, overflow_policy=policy)
+                try:
+                    self._fit_to_context(candidate)
+                except ContextOverflowError:
+                    continue
+                remedies.append(policy)
+        finally:
+            self.settings = previous
+        return tuple(remedies)
 
     def _turn(self, earlier: list[Message], user: Message, settings: GenerationSettings | None) -> Iterator[Event]:
         """Answer `user` after the messages `earlier`, which become the history with the reply."""

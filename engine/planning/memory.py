@@ -47,18 +47,20 @@ def memory_pressure(available: int, total: int) -> str:
     return "normal"
 
 
-def system_memory(*, cgroup_root: Path | None = None, proc_cgroup: Path | None = None) -> dict[str, Any]:
+def system_memory(*, cgroup_root: Path | None = None, proc_cgroup: Path | None = None,
+                  platform: str | None = None) -> dict[str, Any]:
     """Memory this process may use: total, available, used (bytes), percent used, a pressure level, and
     `limited_by` (what set the figures: 'physical memory', a cgroup, or macOS's page counts).
 
     The tightest of physical memory and every cgroup limit above this process (v1 or v2): inside a 1 GB
     container psutil alone reports the host's free memory, and a plan made from it ends with the kernel
     killing the process. On macOS, available memory is the kernel's own free + reclaimable figure
-    (`macos_available_bytes`). The cgroup paths are injectable for tests.
+    (`macos_available_from_vm_stat`), when it is lower than psutil's. The cgroup paths and the platform are
+    injectable for tests.
     """
     vm = psutil.virtual_memory()
     total, available, limited_by = int(vm.total), int(vm.available), "physical memory"
-    if sys.platform == "darwin":
+    if (platform or sys.platform) == "darwin":
         counted = _macos_available_from_vm_stat(total)
         if counted is not None and counted < available:
             available, limited_by = counted, "macOS free + reclaimable pages"
@@ -185,40 +187,65 @@ def _read_text(path: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------ macOS page counts
 
+VM_STAT_COMMAND = ("vm_stat",)
 _VM_STAT_LINE = re.compile(r'^"?([^:"]+)"?:\s+(\d+)\.?$')
 _VM_STAT_PAGE_SIZE = re.compile(r"page size of (\d+) bytes")
+# The counters the free + reclaimable figure is made of, and the page lists that together cover the machine's
+# memory (the check that the output describes this machine); without any of them there is no figure.
+VM_STAT_HELD = ("Anonymous pages", "Pages wired down", "Pages occupied by compressor")
+VM_STAT_LISTS = ("Pages free", "Pages active", "Pages inactive", "Pages speculative", "Pages wired down",
+                 "Pages occupied by compressor")
+# The page lists may add up to a little more than the memory the OS reports (a few pages in flight).
+VM_STAT_SLACK = 1.02
 
 
-def parse_vm_stat(text: str) -> tuple[int, dict[str, int]]:
-    """(page size, {counter: pages}) from the output of macOS's `vm_stat`."""
+def parse_vm_stat(text: str) -> tuple[int | None, dict[str, int]]:
+    """(page size in bytes, {counter: pages}) from the output of macOS's `vm_stat`. The page size is None when
+    the header line that states it is missing or is not a power of two of at least 1 KiB: Apple Silicon counts
+    16 KiB pages and Intel 4 KiB, so guessing would be off by four times. Lines in other shapes are skipped."""
     size = _VM_STAT_PAGE_SIZE.search(text)
+    page_size = int(size.group(1)) if size else None
+    if page_size is not None and (page_size < 1024 or page_size & (page_size - 1)):
+        page_size = None
     counters = {}
     for line in text.splitlines():
         match = _VM_STAT_LINE.match(line.strip())
         if match:
             counters[match.group(1).strip()] = int(match.group(2))
-    return (int(size.group(1)) if size else 4096), counters
+    return page_size, counters
 
 
 def macos_available_bytes(total: int, page_size: int, counters: dict[str, int]) -> int:
     """Free + reclaimable memory the way Activity Monitor counts it: everything but app memory
     (anonymous pages that are not purgeable), wired memory and the compressor's pages. psutil counts
     free + inactive instead, which includes dirty app pages that can only go to swap."""
-    app = counters.get("Anonymous pages", 0) - counters.get("Pages purgeable", 0)
+    app = max(0, counters.get("Anonymous pages", 0) - counters.get("Pages purgeable", 0))
     held = app + counters.get("Pages wired down", 0) + counters.get("Pages occupied by compressor", 0)
     return max(0, total - held * page_size)
 
 
-def _macos_available_from_vm_stat(total: int) -> int | None:
-    # The only macOS-only code: run vm_stat (milliseconds). None when it cannot be read.
-    try:
-        output = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+def macos_available_from_vm_stat(output: str, total: int) -> int | None:
+    """Free + reclaimable bytes of a machine of `total` bytes, from its `vm_stat` output; None when the output
+    cannot be trusted (no page size, a needed counter missing, or page lists that add up to more memory than
+    the machine has), so the caller keeps psutil's figure instead of acting on a wrong one."""
     page_size, counters = parse_vm_stat(output)
-    if "Anonymous pages" not in counters:
+    if page_size is None or any(name not in counters for name in (*VM_STAT_HELD, *VM_STAT_LISTS)):
         return None
-    return macos_available_bytes(total, page_size, counters)
+    if sum(counters[name] for name in VM_STAT_LISTS) * page_size > total * VM_STAT_SLACK:
+        return None  # the output describes a bigger machine (or another page size) than this one
+    available = macos_available_bytes(total, page_size, counters)
+    return available if available > 0 else None
+
+
+def _macos_available_from_vm_stat(total: int) -> int | None:
+    # The only macOS-only code: run vm_stat (milliseconds). None when it cannot be run or read.
+    try:
+        finished = subprocess.run(list(VM_STAT_COMMAND), capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return None
+    if finished.returncode != 0:
+        return None
+    return macos_available_from_vm_stat(finished.stdout, total)
 
 
 def process_rss() -> int:
