@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any
 
-from engine.serve.example import DEFAULT_HOST, DEFAULT_PORT, client_example
+from engine.serve.example import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_STEP, client_example
 
 SERVING_PREFIX = "Serving at "
 LEVEL_CHOICES = ("16", "8", "4", "3", "2")  # the app's compression levels (engine.planning.recommend)
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     parser.add_argument("--prompt-cache-mb", type=float, default=1024.0,
                         help="bytes of KV caches kept for reuse across requests, in MB (default 1024)")
+    parser.add_argument("--prefill-step-size", type=int, default=None, metavar="N",
+                        help="prompt tokens run through the model at once (default "
+                        f"{DEFAULT_PREFILL_STEP}); smaller steps lower the peak memory of long prompts")
     parser.add_argument("--verbose", "-v", action="store_true", help="log every request")
 
 
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace, kv_config: Any, progress: Any) -> int:
         max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=min(512, args.max_tokens_limit),
         prompt_cache_bytes=int(args.prompt_cache_mb * MB),
+        prefill_step_size=DEFAULT_PREFILL_STEP if args.prefill_step_size is None else args.prefill_step_size,
     )
     if not is_loopback(args.host):
         print(f"warning: listening on {args.host}, not only this machine: anyone who can reach it can use the "

@@ -5,7 +5,7 @@ through the `openai` client: a ~4k-token prompt (prose + a question), then a fol
 first prompt, the reply, and a new question), so the follow-up can reuse the first request's prompt cache.
 TTFT = from sending the request to the first streamed text.
 
-    python benchmarks/serve_ttft.py [--prose PATH] [--tokens 4096] [--servers velox-4,velox-16,mlx-lm]
+    python benchmarks/serve_ttft.py [--prose PATH] [--tokens 4096] [--servers velox-4,velox-16,mlx-lm] [--add]
     python benchmarks/serve_ttft.py --report    # only rewrite BENCHMARKS.md's section from the JSON
 
 Writes benchmarks/results/serve_ttft.json and the "Local server" section of BENCHMARKS.md (between its
@@ -35,6 +35,7 @@ DEFAULT_PROSE = next(
     ROOT.parent / "shared" / "data" / "areopagitica.txt",
 )
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "serve_ttft.json"
+PREFILL_STEP_RESULTS = ROOT / "benchmarks" / "results" / "serve_prefill_step.json"
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 HAND_WRITTEN_MARKER = "<!-- hand-written sections below: kept as they are by `velox bench report` -->"
 SECTION_START = "<!-- serve_ttft:start: written by `python benchmarks/serve_ttft.py` from benchmarks/results/serve_ttft.json -->"
@@ -61,6 +62,10 @@ server.load = velox_load
 sys.argv = ["mlx_lm.server", *sys.argv[1:]]
 server.main()
 """
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _servers(model_dir: Path) -> dict[str, dict[str, Any]]:
@@ -162,6 +167,10 @@ def measure(key: str, spec: dict[str, Any], document: str, max_tokens: int) -> d
     return {"label": spec["label"], "startup_s": round(startup, 1), "first": first, "follow_up": follow_up}
 
 
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _document(prose: Path, tokens: int) -> tuple[str, int]:
     """`tokens` tokens of prose, from 5% into the text (past the title pages)."""
     from tokenizers import Tokenizer
@@ -174,35 +183,70 @@ def _document(prose: Path, tokens: int) -> tuple[str, int]:
     return tokenizer.decode(ids[start:start + tokens]), tokens
 
 
+def prefill_step_lines(results: dict[str, Any] | None) -> list[str]:
+    """The prefill-step comparison (benchmarks/serve_prefill_step.py's JSON) as a paragraph and a table."""
+    if not results or not results.get("runs"):
+        return []
+    machine = results["machine"]
+    rows = [
+        "| cache | prefill step | prompt tokens | prefill tok/s | peak MLX memory | load average (1 min) at start, end |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in results["runs"]:
+        loads = ", ".join(str(x) for x in run["load_average_1min"])
+        rows.append(
+            f"| {run['cache']} | {run['prefill_step']:,} | {run['prompt_tokens']:,} | {run['prompt_tokens_per_s']:.1f} "
+            f"| {run['peak_memory_mb']:,.0f} MB | {loads} |"
+        )
+    return [
+        "",
+        "### Prefill step (`--prefill-step-size`)",
+        "",
+        f"How many prompt tokens `velox serve` runs through the model at once, measured with the server's own "
+        f"caches and mlx-lm's `stream_generate` on {machine['platform']} ({machine['mlx_device']}, "
+        f"{results['date']}; load average {', '.join(str(x) for x in machine['load_average_1_5_15'])} at the "
+        f"start, {', '.join(str(x) for x in machine.get('load_average_1_5_15_at_end', []))} at the end). Peak "
+        "memory is MLX's, weights included (about 540 MB of fp32 weights on the CPU fast path). Reproduce: "
+        "`python benchmarks/serve_prefill_step.py` (writes `benchmarks/results/serve_prefill_step.json`).",
+        "",
+        *rows,
+    ]
+
+
 def write_section(results: dict[str, Any], markdown: Path = BENCHMARKS_MD) -> None:
     """BENCHMARKS.md's "Local server" section, from the results, between its markers."""
-    run = results["runs"]
     rows = [
-        "| server | first request: prompt tokens | TTFT | follow-up: prompt tokens (reused) | TTFT |",
-        "|---|---|---|---|---|",
+        "| server | first request: prompt tokens | TTFT | follow-up: prompt tokens (reused) | TTFT "
+        "| run began (UTC) | load average 1/5/15 min at start → end |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for entry in run.values():
+    for entry in results["runs"].values():
+        when = entry.get("date", results["date"]).replace("T", " ").rstrip("Z")
+        loads = " → ".join(
+            ", ".join(str(x) for x in entry.get(name, results["machine"].get(name, [])))
+            for name in ("load_average_1_5_15", "load_average_1_5_15_at_end")
+        )
         if "error" in entry:
-            rows.append(f"| {entry['label']} | {entry['error']} | | | |")
+            rows.append(f"| {entry['label']} | {entry['error']} | | | | {when} | {loads} |")
             continue
         first, follow = entry["first"], entry["follow_up"]
         reused = "?" if follow["cached_tokens"] is None else f"{follow['cached_tokens']:,}"
         rows.append(
             f"| {entry['label']} | {first['prompt_tokens']:,} | {first['ttft_s']:.2f} s | "
-            f"{follow['prompt_tokens']:,} ({reused}) | {follow['ttft_s']:.2f} s |"
+            f"{follow['prompt_tokens']:,} ({reused}) | {follow['ttft_s']:.2f} s | {when} | {loads} |"
         )
     machine = results["machine"]
     section = [
         SECTION_START,
         "## Local server: time to first token (`velox serve`)",
         "",
-        f"{results['model']} on {machine['platform']}, {machine['cpu_count']} cores shared with other jobs "
-        f"(load average {', '.join(str(x) for x in machine['load_average_1_5_15'])} when the run began, "
-        f"{', '.join(str(x) for x in machine.get('load_average_1_5_15_at_end', []))} at its end), one run per "
-        f"server, {results['date']}. TTFT is wall time, so on this loaded machine it is several times what an "
-        "idle one gives; compare the rows with each other, not with the CPU speeds above. Each server, in its own process, gets a streamed chat request "
+        f"{results['model']} on {machine['platform']}, {machine['cpu_count']} cores shared with other jobs, one "
+        "run per server, each with the load average around it. TTFT is wall time, so on this loaded machine it "
+        "is several times what an idle one gives; compare the rows with each other (and mind their loads), not "
+        "with the CPU speeds above. Each server, in its own process, gets a streamed chat request "
         f"with {results['document_tokens']:,} tokens of prose and a question, then a follow-up that extends it "
-        "(the first prompt, the reply, a new question). TTFT is from sending to the first streamed text, "
+        "(the first prompt, the reply, a new question); both servers prefill 2,048 prompt tokens per step "
+        "(their default). TTFT is from sending to the first streamed text, "
         "through the `openai` client; *reused* is the server's own `usage.prompt_tokens_details.cached_tokens`.",
         "",
         *rows,
@@ -210,7 +254,9 @@ def write_section(results: dict[str, Any], markdown: Path = BENCHMARKS_MD) -> No
         "Both servers serve these requests one at a time: Velox's caches have no batched form (see "
         "`engine/serve/provider.py`), and a lone request is not batched by mlx-lm either. "
         "Reproduce: `python benchmarks/serve_ttft.py` "
-        "(writes `benchmarks/results/serve_ttft.json` and this section).",
+        "(writes `benchmarks/results/serve_ttft.json` and this section; `--servers` picks some, `--add` keeps "
+        "the others' runs).",
+        *prefill_step_lines(_read_json(PREFILL_STEP_RESULTS)),
         SECTION_END,
     ]
     text = markdown.read_text(encoding="utf-8") if markdown.is_file() else ""
@@ -230,9 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prose", type=Path, default=DEFAULT_PROSE)
     parser.add_argument("--tokens", type=int, default=4096, help="prose tokens in the first prompt")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--servers", default="velox-4,velox-16,mlx-lm-velox-runtime,mlx-lm")
+    parser.add_argument("--servers", default="velox-4,velox-16,mlx-lm")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report", action="store_true", help="only rewrite BENCHMARKS.md's section from --out")
+    parser.add_argument("--add", action="store_true",
+                        help="keep the other servers' runs already in --out (each run records its own time and load)")
     args = parser.parse_args(argv)
     if args.report:
         write_section(json.loads(args.out.read_text(encoding="utf-8")))
@@ -250,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown server(s) {', '.join(unknown)}; known: {', '.join(servers)}", file=sys.stderr)
         return 1
+    earlier = _read_json(args.out) if args.add else None
+    if earlier is not None and earlier.get("document_tokens") != n_tokens:
+        print(f"error: {args.out} was measured with {earlier.get('document_tokens')} prose tokens, not {n_tokens}",
+              file=sys.stderr)
+        return 1
     results: dict[str, Any] = {
         "schema": "velox-serve-ttft/1",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -264,22 +317,23 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "question": QUESTION,
         "follow_up": FOLLOW_UP,
-        "runs": {},
+        "runs": dict(earlier["runs"]) if earlier else {},
     }
     for key in chosen:
         print(f"{key}: {servers[key]['label']} …", file=sys.stderr, flush=True)
+        began, load_before = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), _load()
         try:
-            results["runs"][key] = measure(key, servers[key], document, args.max_tokens)
+            run = measure(key, servers[key], document, args.max_tokens)
         except Exception as error:  # record and go on: one server failing should not lose the others
-            results["runs"][key] = {"label": servers[key]["label"], "error": f"{type(error).__name__}: {error}"}
-        run = results["runs"][key]
+            run = {"label": servers[key]["label"], "error": f"{type(error).__name__}: {error}"}
+        run.update(date=began, load_average_1_5_15=load_before, load_average_1_5_15_at_end=_load())
+        results["runs"][key] = run
         if "first" in run:
             print(f"  TTFT first {run['first']['ttft_s']:.2f} s ({run['first']['prompt_tokens']} tokens), "
                   f"follow-up {run['follow_up']['ttft_s']:.2f} s ({run['follow_up']['cached_tokens']} reused)",
                   file=sys.stderr, flush=True)
         else:
             print(f"  failed: {run['error']}", file=sys.stderr, flush=True)
-        results["machine"]["load_average_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     write_section(results)

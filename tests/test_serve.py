@@ -239,6 +239,65 @@ def test_prompt_cache_is_bounded_by_the_bytes_it_really_holds(smollm):
     assert rest == prompts[2][-1:] and hit[0].offset == len(prompts[2]) - 1
 
 
+def test_re_asked_question_after_a_follow_up_is_answered_as_a_fresh_request(smollm):
+    """Regression: at the app's 4-bit level (KIVI, 64-token key blocks), re-asking the first question after a
+    follow-up reuses the follow-up's cache trimmed back to the question. Trimmed inside a key block, the
+    question's last tokens were kept decoded from 4 bits where a fresh request holds them in 16-bit (here KL
+    5.6e-3 from fresh, top-20 log-probabilities off by up to 0.19; in the server, a changed answer). The
+    reused cache now goes back to the block's start and runs those tokens again: the distribution of a fresh
+    request (KL below 1e-6, log-probabilities within 0.0014: the re-run tokens are computed in another chunk)."""
+    import mlx.core as mx
+
+    from engine.planning.recommend import level_by_key
+    from engine.serve.provider import VeloxPromptCache, serving_cache_factory
+    from tests.kvcache_helpers import prose_tokens
+
+    model, tokenizer, _ = smollm
+    factory = serving_cache_factory(level_by_key("4").config)
+    assert factory(model)[0].config.group_size == 64
+
+    def chat(messages: list[dict[str, str]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def run(cache: list, tokens: list[int]) -> mx.array:
+        """Prefill as mlx-lm does (all but the last token, then the last): log-probabilities of the reply."""
+        if len(tokens) > 1:
+            model(mx.array(tokens[:-1])[None], cache=cache)
+        logits = model(mx.array(tokens[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
+        return logits - mx.logsumexp(logits)
+
+    question = [{"role": "user", "content": tokenizer.decode(prose_tokens(tokenizer)[:250]) + "\n\nWhat is argued?"}]
+    answer = "The author argues that books should not be licensed before they are printed."
+    first = chat(question)
+    follow_up = chat([*question, {"role": "assistant", "content": answer}, {"role": "user", "content": "An example?"}])
+    answer_tokens = tokenizer.encode(answer, add_special_tokens=False)
+    second_answer = tokenizer.encode(" He names the Roman censors.", add_special_tokens=False)
+    store = VeloxPromptCache()
+
+    cache, rest = store.fetch_nearest_cache("m", first)
+    cache = cache or factory(model)
+    run(cache, rest)
+    model(mx.array(answer_tokens)[None], cache=cache)
+    store.insert_cache("m", first + answer_tokens, cache)
+    cache, rest = store.fetch_nearest_cache("m", follow_up)
+    assert len(follow_up) - len(rest) == len(first) + len(answer_tokens)  # the follow-up reuses it all
+    run(cache, rest)
+    model(mx.array(second_answer)[None], cache=cache)
+    store.insert_cache("m", follow_up + second_answer, cache)
+    # The question's end now lies inside a quantized key block of the stored cache (not in its window).
+    block_start = (len(first) - 1) // 64 * 64
+    assert block_start < len(first) - 1 and cache[0].n_compressed > len(first) - 1
+
+    cache, rest = store.fetch_nearest_cache("m", first)
+    assert len(first) - len(rest) == block_start and cache[0].offset == block_start
+    reused = run(cache, rest)
+    fresh = run(factory(model), first)
+    kl = mx.sum(mx.exp(fresh) * (fresh - reused)).item()
+    top = mx.argsort(-fresh)[:20]
+    assert abs(kl) < 1e-4
+    assert mx.max(mx.abs(fresh[top] - reused[top])).item() < 0.02
+
+
 def test_cli_serve_help_shows_the_openai_client(capsys):
     from app.cli import main
 

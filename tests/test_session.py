@@ -144,3 +144,32 @@ def test_document_prefill_reports_progress_and_is_reused(smollm):
     ingested = session.cache_offset
     _, stats = run(session, "What was the keeper's name?")
     assert stats.reused_tokens >= ingested - 2
+
+
+def test_regenerate_at_the_4_bit_level_reuses_whole_key_blocks_and_answers_the_same(smollm):
+    """Regenerating cuts the cache back to the question. At the 4-bit level (KIVI, 64-token key blocks) a cut
+    inside a quantized block goes back to the block's start and runs the question's tail again, so the
+    question is read as in the first turn (16-bit) and, greedily, the reply is the same."""
+    from engine.kvcache import KVCacheBuilder
+    from engine.planning.recommend import level_by_key
+
+    model, tokenizer, _ = smollm
+    config = level_by_key("4").config
+    session = ChatSession(
+        model, tokenizer, settings=GenerationSettings(max_tokens=64),
+        cache_factory=lambda m: KVCacheBuilder(config).for_model(m).build(),
+    )
+    question = ("Here is a list of fruits: apples, pears, plums, cherries, figs, dates, grapes, lemons, limes, "
+                "oranges, peaches and quinces. Write a short poem that names four of them.")
+    first_reply, first = run(session, question)
+    replies, again = "", None
+    for event in session.regenerate():
+        if isinstance(event, TextChunk):
+            replies += event.text
+        elif isinstance(event, GenerationStats):
+            again = event
+    cut = first.prompt_tokens - 1  # the regenerated turn reuses at most the question less its last token
+    block_start = cut // 64 * 64
+    assert cut % 64 and first.prompt_tokens + first.generated_tokens > block_start + 64  # cut inside a block
+    assert again.reused_tokens == block_start
+    assert replies == first_reply

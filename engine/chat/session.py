@@ -16,12 +16,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine.chat.documents import Document
 from engine.errors import CancelledError, ContextOverflowError, VeloxError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, reencode_caches, reencode_into
+from engine.kvcache.trim import trim_for_reuse
 from engine.planning.memory import kv_cache_bytes
 from engine.runtime.cpu import attention as cpu_attention
 
@@ -275,7 +276,8 @@ class ChatSession:
         excess = self.cache_offset - common
         if excess > 0:
             if can_trim_prompt_cache(self.prompt_cache):
-                trim_prompt_cache(self.prompt_cache, excess)
+                # Back to where the cache can be rebuilt exactly (a cut KIVI key block would be quantized twice).
+                common = self.cache_offset - trim_for_reuse(self.prompt_cache, excess)
             else:
                 self.prompt_cache = self._cache_factory(self.model)
                 common = 0
@@ -287,7 +289,7 @@ class ChatSession:
         ahead); trim it so the cache holds exactly a prefix of `known_tokens`."""
         offset = self.cache_offset
         if offset > len(known_tokens):
-            trim_prompt_cache(self.prompt_cache, offset - len(known_tokens))
+            trim_for_reuse(self.prompt_cache, offset - len(known_tokens))
             offset = self.cache_offset
         self.cached_tokens = list(known_tokens[:offset])
 

@@ -129,6 +129,15 @@ class VeloxKVCache(_BaseCache):
     def trim(self, n: int) -> int:
         raise NotImplementedError
 
+    def reuse_trim_length(self, n: int) -> int:
+        """How many of the newest tokens to trim, at least `n` (at most `offset`), so that feeding the trimmed
+        tokens again rebuilds exactly the cache that was never trimmed. `trim(n)` drops exactly `n` and
+        keeps what the rest attend to, but a method that encodes tokens together (KIVI's key blocks) can
+        only keep a cut block by decoding it, and the block would be quantized a second time when it
+        refills; a cache reused for new tokens (a prompt cache) trims this many instead (see
+        `engine.kvcache.trim.trim_for_reuse`). Here every token is stored on its own: `n`."""
+        return min(self.offset, max(0, n))
+
     def make_mask(self, *args: Any, **kwargs: Any) -> mx.array | str | None:
         return _mlx_create_attention_mask(*args, offset=self.offset, **kwargs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
+DEFAULT_PREFILL_STEP = 2048  # prompt tokens per model call (mlx-lm's default; see BENCHMARKS.md's prefill step)
 
 
 def base_url(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:

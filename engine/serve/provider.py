@@ -15,17 +15,19 @@ arrival order. Only the uncompressed level off the CPU fast path uses mlx-lm's o
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 from mlx_lm.server import ModelProvider
 
 from engine.chat.session import _default_cache_factory
 from engine.errors import ModelError
 from engine.kvcache import KVCacheBuilder
 from engine.kvcache.registry import get_method
+from engine.kvcache.trim import trim_for_reuse
 from engine.models.catalog import load_model, resolve_model
 
 CacheFactory = Callable[[Any], list[Any]]
@@ -149,18 +151,43 @@ class VeloxPromptCache(LRUPromptCache):
     """mlx-lm's LRU prompt cache (a token trie of caches, reused across requests), bounded by `max_bytes`
     counted with each cache's `nbytes`: for Velox caches the bytes of every array they really hold.
 
-    One fix: on an exact hit mlx-lm returns the cache with no tokens left to run, and the model then has
-    no token to compute the first reply token from (mlx-lm's `stream_generate` refuses an empty prompt).
-    Here an exact hit gives back the cache less its last token, and that token."""
+    The lookup is mlx-lm's (an exact entry, else the longest stored prefix of the prompt, else a longer
+    entry sharing more of the prompt, trimmed back to it) with two changes:
+    - a reused cache is trimmed with `trim_for_reuse`, not `trim_prompt_cache`: a KIVI cache cut inside
+      a key block would keep that block's tokens only decoded and quantize them a second time (a re-asked
+      question then read its own tokens at 4 bits and was answered differently from a fresh request), so
+      the cut widens to the block's start and those tokens are run again;
+    - an exact hit is trimmed too (by at least one token): mlx-lm returns it with no tokens left to run,
+      and the model needs one to compute the first reply token from.
+    """
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-        cache, rest = super().fetch_nearest_cache(model, tokens)
-        if cache is None or rest or not tokens:
-            return cache, rest
-        if can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, 1)
-            return cache, tokens[-1:]
+        # The trie and its search are mlx-lm's (LRUPromptCache keeps it in `_trie`); what is taken from it
+        # and how it is trimmed is decided here.
+        found = self._trie.search(model, tokens)
+        if found.exact is not None:
+            return self._trimmed(found.model, found.exact, tokens, len(tokens) - 1)
+        shorter = len(found.shorter) if found.shorter is not None else 0
+        if found.longer is not None and found.common_prefix > shorter:
+            cache, rest = self._trimmed(found.model, found.longer, tokens, min(len(tokens) - 1, found.common_prefix))
+            if cache is not None and len(tokens) - len(rest) > shorter:
+                return cache, rest
+        if shorter:
+            entry = self._trie.get(found.model, found.shorter)
+            return copy.deepcopy(entry.prompt_cache), tokens[shorter:]
         return None, tokens
+
+    def _trimmed(
+        self, model: Any, key: list[int], tokens: list[int], keep: int
+    ) -> tuple[list[Any] | None, list[int]]:
+        """A copy of the entry stored under `key`, trimmed for reuse to at most its first `keep` tokens,
+        and the tokens of the prompt it does not hold; (None, tokens) if it cannot be trimmed."""
+        entry = self._trie.get(model, key)
+        if not can_trim_prompt_cache(entry.prompt_cache):
+            return None, tokens
+        cache = copy.deepcopy(entry.prompt_cache)
+        trimmed = trim_for_reuse(cache, len(key) - keep)
+        return cache, tokens[len(key) - trimmed:]
 
 
 __all__ = [

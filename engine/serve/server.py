@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.server import ResponseGenerator
 
 from engine.errors import ModelError, VeloxError
-from engine.serve.example import base_url
+from engine.serve.example import DEFAULT_PREFILL_STEP, base_url
 from engine.serve.handler import RequestLimits, handler_class
 from engine.serve.provider import VeloxModelProvider, VeloxPromptCache, serving_cache_factory
 
@@ -52,7 +52,7 @@ class ServeOptions:
     default_max_tokens: int = 512
     prompt_cache_bytes: int = 1024 * 1024 * 1024  # bytes of caches kept for reuse across requests
     prompt_cache_entries: int = 10
-    prefill_step_size: int = 2048  # mlx-lm's default
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
 
     def check(self) -> None:
         for name in ("max_body_bytes", "max_tokens_limit", "default_max_tokens", "prompt_cache_entries",

@@ -200,6 +200,17 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             self._n_compressed = block_start
         return trimmed
 
+    def reuse_trim_length(self, n: int) -> int:
+        """`n`, widened to the start of the key block it would cut: a cut block's kept tokens survive only
+        decoded (see `trim`), and quantized again with the tokens that refill the block they would differ
+        from the block an untrimmed cache holds; trimming back to the block start and running those tokens
+        again keeps every block quantized once, from the model's own keys."""
+        n = min(self.offset, max(0, n))
+        compressed_cut = n - self.n_window
+        if compressed_cut <= 0 or compressed_cut >= self._n_compressed:
+            return n  # only window tokens go, or every compressed block (sinks are kept token by token)
+        return n + (self._n_compressed - compressed_cut) % self.config.group_size
+
     def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive.")
