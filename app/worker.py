@@ -228,7 +228,7 @@ class EngineWorker(QObject):
             self._overflow_policy = None
             self.historySet.emit(0)
 
-    @Slot(str, int)
+    @Slot(str, object)
     def configure_saved_caches(self, folder: str, budget_bytes: int) -> None:
         """Keep conversations' caches in `folder` within `budget_bytes` (0: keep none, and drop those kept)."""
         self._saved_caches = CacheFolder(folder, max(int(budget_bytes), 0)) if folder else None
@@ -643,7 +643,7 @@ class EngineThread(QObject):
     requestNewChat = Signal()
     requestSetHistory = Signal(object)
     requestOpenConversation = Signal(int, object)  # conversation id, its history
-    requestConfigureSavedCaches = Signal(str, int)  # folder, budget in bytes
+    requestConfigureSavedCaches = Signal(str, object)  # folder, budget in bytes (an int over 2**31)
     requestSaveCache = Signal(int)  # conversation id
     requestForgetCache = Signal(int)  # conversation id
     requestInspectDocument = Signal(str)

@@ -234,7 +234,10 @@ def read_cache_metadata(path: str | Path) -> dict[str, str]:
     except (OSError, struct.error, ValueError) as error:
         raise SavedCacheError(f"The saved cache is damaged or truncated ({type(error).__name__}).") from error
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+    if not isinstance(metadata, dict):
+        return {}
+    # mlx-lm flattens [our metadata, the layers' meta_state, their class names] into "0.key", "1.i", "2.i.j".
+    return {str(key)[2:]: str(value) for key, value in metadata.items() if str(key).startswith("0.")}
 
 
 def config_label(session: Any) -> str:
