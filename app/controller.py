@@ -32,7 +32,7 @@ from app.payloads import (
     stats_from_record,
 )
 from app.settings import AUTO_COMPRESSION, Settings, load_settings, save_settings
-from app.store import ConversationStore, StoreError, saved_caches_folder
+from app.store import ConversationStore, StoreError, conversation_title, saved_caches_folder
 from app.worker import EngineThread
 from engine.chat.saved_cache import CacheFolder
 from engine.chat.session import GenerationStats
@@ -42,7 +42,6 @@ from engine.planning.recommend import LEVELS
 from engine.planning.units import format_bytes
 
 MEMORY_POLL_MS = 1000
-TITLE_LENGTH = 48
 # A streaming reply is written to the database at most this often (a transaction without fsync, on the GUI
 # thread), so a crash of the app loses at most this much of what was shown.
 PARTIAL_SAVE_INTERVAL_S = 1.0
@@ -96,11 +95,6 @@ def reply_caption(stats: GenerationStats | None, cancelled: bool = False, interr
     if cancelled or stats.finish_reason == "cancelled":
         parts.append("stopped")
     return " · ".join(parts)
-
-
-def conversation_title(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 
 class ChatController(QObject):
