@@ -17,7 +17,7 @@ from typing import Any
 
 import engine
 from app import serve_cli
-from app.logs import log_path
+from app.logs import log_path, unexpected_error_line
 from app.settings import load_settings
 from app.store import ConversationStore, conversation_title, saved_caches_folder
 from engine.chat.documents import load_document
@@ -200,6 +200,9 @@ class _SavedChat:
         except (SavedCacheError, OSError) as error:  # the conversation is saved; only a later re-read is lost
             logger.warning("The cache of conversation %s was not saved: %s", self.conversation_id, error)
             print(f"[the conversation's cache was not saved: {error}]", file=sys.stderr)
+        except Exception as error:  # noqa: BLE001 - the reply is given and stored: a surprise costs the cache only
+            logger.exception("Saving the cache of conversation %s failed", self.conversation_id)
+            print(f"[the conversation's cache was not saved: {unexpected_error_line(error)}]", file=sys.stderr)
 
 
 def _resume_compression(args: argparse.Namespace, caches: CacheFolder, conversation_id: int) -> Any:

@@ -284,6 +284,10 @@ class EngineWorker(QObject):
             logger.warning("The cache of conversation %s was not saved: %s", conversation_id, error)
             self.savedCache.emit(SavedCacheStatus(conversation_id, "not-saved", message=str(error)))
             return
+        except Exception as error:  # a surprise costs the next reopen a re-read, never the worker thread
+            self.savedCache.emit(SavedCacheStatus(conversation_id, "not-saved",
+                                                  message=_unexpected("Saving the cache failed", error)))
+            return
         self.savedCache.emit(SavedCacheStatus(conversation_id, "saved", file_bytes=size,
                                               tokens=len(session.cached_tokens)))
 

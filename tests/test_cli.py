@@ -6,20 +6,17 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from engine.paths import models_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-# `velox chat` saves its conversations in the data folder: the tests get one of their own, which shares
-# the user's converted models through a link (so the embedded model is not converted again).
-DATA_DIR = Path(tempfile.mkdtemp(prefix="velox-cli-data-"))
-(DATA_DIR / "models").symlink_to(models_dir(), target_is_directory=True)
 
 
-def velox(*args: str, timeout: int = 300, data_dir: Path = DATA_DIR) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VELOX_DATA_DIR=str(data_dir))
+def velox(*args: str, timeout: int = 300, data_dir: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the tests' own data folder (conftest), or `data_dir`
+    if data_dir is not None:
+        env["VELOX_DATA_DIR"] = str(data_dir)
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
 
@@ -41,7 +38,7 @@ def test_chat_with_document(default_model_path, tmp_path):
 
 
 def test_interactive_chat_reads_stdin(default_model_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VELOX_DATA_DIR=str(DATA_DIR))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--max-tokens", "16"],
                             input="What is the capital of France?\n\n", capture_output=True, text=True,
                             timeout=300, cwd=ROOT, env=env)
