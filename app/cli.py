@@ -71,6 +71,11 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
                            "kivi:k4v4:g64 or rotated:k3v2:g32:w128")
     chat.add_argument("--kv-bits", type=_positive_int, default=None, help="bits per value for the compressed KV cache")
     chat.add_argument("--stats", action="store_true", help="print speed and memory figures after each reply")
+    chat.add_argument("--resume", type=_positive_int, default=None, metavar="ID",
+                      help="continue a saved conversation (IDs from `velox chats`), reusing its saved cache")
+    chat.add_argument("--no-save", action="store_true",
+                      help="do not save this chat as a conversation (by default it is, like the app's chats)")
+    sub.add_parser("chats", help="list saved conversations, most recent first (ID first)")
 
     models = sub.add_parser("models", help="list available models, or download one")
     models_sub = models.add_subparsers(dest="models_command")

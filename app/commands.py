@@ -7,17 +7,29 @@ through `engine` (whose import sets up the optional Linux CPU fast path first).
 from __future__ import annotations
 
 import argparse
+import logging
 import platform
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import engine
 from app import serve_cli
-from app.logs import log_path
+from app.logs import log_path, unexpected_error_line
+from app.settings import load_settings
+from app.store import ConversationStore, conversation_title, saved_caches_folder
 from engine.chat.documents import load_document
 from engine.chat.reply_check import degenerate_reply
+from engine.chat.saved_cache import (
+    UNCOMPRESSED_PREFIX,
+    CacheFolder,
+    SavedCacheError,
+    read_cache_metadata,
+    restore_session_cache,
+    save_session_cache,
+)
 from engine.chat.session import (
     ChatSession,
     GenerationSettings,
@@ -38,6 +50,8 @@ from engine.runtime.status import runtime_status
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+
+logger = logging.getLogger(__name__)
 
 
 def _progress(message: str, fraction: float) -> None:
@@ -136,6 +150,73 @@ def _run_turn(session: Any, question: str, show_stats: bool) -> str | None:
     return None
 
 
+def _compression_label(cache_config: Any) -> str:
+    """What the store records as a message's compression, in the app's words ('4-bit (kivi)')."""
+    for level in LEVELS:
+        if cache_config is None and level.key == "16":
+            return level.label
+        if cache_config is not None and level.config == cache_config:
+            return f"{level.label} ({cache_config.method})"
+    return str(cache_config)
+
+
+class _SavedChat:
+    """Where a terminal chat is saved: the app's conversation store and, beside it, the conversation's KV
+    cache (engine.chat.saved_cache), so the app, `velox chats` and `velox chat --resume` all see it."""
+
+    def __init__(self, store: ConversationStore, model_path: Path, model_name: str, *, write: bool,
+                 conversation_id: int | None = None) -> None:
+        self.store = store
+        self.caches = CacheFolder(saved_caches_folder(store.path), load_settings().saved_cache_budget_bytes)
+        self.model_path = model_path
+        self.model_name = model_name
+        self.write = write
+        self.conversation_id = conversation_id
+
+    def restore(self, session: Any) -> None:
+        """Give the session the conversation's saved cache; a refused file is one line, then a re-read."""
+        if self.conversation_id is None:
+            return
+        restored = restore_session_cache(self.caches, self.conversation_id, session, self.model_path)
+        if restored.refusal:
+            print(f"[{restored.refusal.rstrip('.')}; re-reading the conversation]", file=sys.stderr)
+
+    def record(self, session: Any, compression: str) -> None:
+        """Store the turn that just ended (the session's last question and reply), then its cache."""
+        if not self.write or len(session.history) < 2:
+            return
+        question, answer = session.history[-2], session.history[-1]
+        if self.conversation_id is None:
+            self.conversation_id = self.store.create_conversation(
+                conversation_title(question.content), model=self.model_name, compression=compression)
+        self.store.append_message(self.conversation_id, "user", question.content, documents=question.documents,
+                                  compression=compression)
+        self.store.append_message(self.conversation_id, "assistant", answer.content, cancelled=answer.cancelled,
+                                  stats=session.last_stats, compression=compression)
+        if self.caches.budget_bytes <= 0:
+            return
+        try:
+            save_session_cache(self.caches, self.conversation_id, session, self.model_path)
+        except (SavedCacheError, OSError) as error:  # the conversation is saved; only a later re-read is lost
+            logger.warning("The cache of conversation %s was not saved: %s", self.conversation_id, error)
+            print(f"[the conversation's cache was not saved: {error}]", file=sys.stderr)
+        except Exception as error:  # noqa: BLE001 - the reply is given and stored: a surprise costs the cache only
+            logger.exception("Saving the cache of conversation %s failed", self.conversation_id)
+            print(f"[the conversation's cache was not saved: {unexpected_error_line(error)}]", file=sys.stderr)
+
+
+def _resume_compression(args: argparse.Namespace, caches: CacheFolder, conversation_id: int) -> Any:
+    """The compression a resumed chat uses: what --kv/--kv-bits say, else what its saved cache was made
+    with (so it is reused as it is), else none."""
+    if args.kv is not None or args.kv_bits is not None:
+        return _cache_config(args)
+    try:
+        label = read_cache_metadata(caches.path_for(conversation_id)).get("config", "")
+        return None if not label or label.startswith(UNCOMPRESSED_PREFIX) else KVCacheConfig.parse(label)
+    except (SavedCacheError, ConfigError):
+        return None  # no usable file: the restore says why, if there is one
+
+
 def _chat(args: argparse.Namespace) -> int:
     settings = GenerationSettings(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -150,24 +231,39 @@ def _chat(args: argparse.Namespace) -> int:
         if hf_cached_snapshot(repo) is None:
             _download(repo)
         args.model = repo
+    # The app's store: a resumed conversation comes from it, and the chat is saved to it (unless --no-save).
+    store = ConversationStore() if args.resume is not None or not args.no_save else None
+    history: list[Message] = []
+    if store is not None and args.resume is not None:
+        _meta, messages = store.load_conversation(args.resume)
+        history = ConversationStore.to_session_history(messages)
+        cache_config = _resume_compression(args, CacheFolder(saved_caches_folder(store.path)), args.resume)
     path = resolve_model(args.model, progress=_progress)
     model, tokenizer, info = load_model(path)
     session = ChatSession(model, tokenizer, context_length=info.max_context, system_prompt=args.system,
                           settings=settings)
     if cache_config is not None:
         session.set_compression(cache_config)
+    compression = _compression_label(cache_config)
+    saved = None
+    if store is not None:
+        saved = _SavedChat(store, Path(path), info.name, write=not args.no_save, conversation_id=args.resume)
+        session.history = history
+        saved.restore(session)
     for document in documents:
         session.attach_document(document)
     level_key = _level_key(cache_config)
     if args.prompt is not None:
         _check_memory(session, info, level_key, args.prompt)
-        degenerate = _run_turn(session, args.prompt, args.stats)
+        degenerate = _saved_turn(session, args.prompt, args.stats, saved, compression)
         if degenerate:
             print(f"error: {degenerate}", file=sys.stderr)
             return EXIT_ERROR
         return 0
     print(f"Velox — chatting with {info.name}. Empty line or Ctrl-D quits; /new starts over; /doc PATH attaches.",
           file=sys.stderr)
+    if args.resume is not None:
+        print(f"[continuing conversation {args.resume}: {len(history)} messages]", file=sys.stderr)
     while True:
         try:
             line = input("> ").strip()
@@ -178,6 +274,8 @@ def _chat(args: argparse.Namespace) -> int:
             return 0
         if line == "/new":
             session.new_chat()
+            if saved is not None:
+                saved.conversation_id = None  # the next question starts another saved conversation
             continue
         if line.startswith("/doc "):
             try:
@@ -191,9 +289,33 @@ def _chat(args: argparse.Namespace) -> int:
         except VeloxError as error:
             print(f"error: {error}", file=sys.stderr)
             continue
-        degenerate = _run_turn(session, line, args.stats)
+        degenerate = _saved_turn(session, line, args.stats, saved, compression)
         if degenerate:
             print(f"warning: {degenerate}", file=sys.stderr)
+
+
+def _saved_turn(session: Any, question: str, show_stats: bool, saved: _SavedChat | None, compression: str) -> str | None:
+    """One turn (see `_run_turn`), then, unless the session refused it, the turn saved as the app saves it."""
+    before = len(session.history)
+    degenerate = _run_turn(session, question, show_stats)
+    if saved is not None and len(session.history) == before + 2:
+        saved.record(session, compression)
+    return degenerate
+
+
+def _chats() -> int:
+    """Saved conversations, most recent first, one per line: ID, last change, messages, saved cache, title."""
+    store = ConversationStore()
+    caches = CacheFolder(saved_caches_folder(store.path))
+    conversations = store.list_conversations()
+    if not conversations:
+        print("No saved conversations yet.", file=sys.stderr)
+    for meta in conversations:
+        file = caches.path_for(meta.id)
+        cache = f"cache {format_bytes(file.stat().st_size)}" if file.is_file() else "no cache"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(meta.updated))
+        print(f"{meta.id}  {when}  {meta.message_count} messages  {cache}  {meta.title}")
+    return 0
 
 
 def _models() -> int:
@@ -245,6 +367,8 @@ def run_command(args: argparse.Namespace, harness: Any = None) -> int:
             return _models()
         if args.command == "info":
             return _info()
+        if args.command == "chats":
+            return _chats()
         if args.command == "methods":
             return _methods()
         if args.command == "app":

@@ -28,12 +28,14 @@ from app.payloads import (
     ModelSummary,
     Overflow,
     PendingDocument,
+    SavedCacheStatus,
     TurnResult,
     stats_from_record,
 )
 from app.settings import AUTO_COMPRESSION, Settings, load_settings, save_settings
-from app.store import ConversationStore, StoreError
+from app.store import ConversationStore, StoreError, conversation_title, saved_caches_folder
 from app.worker import EngineThread
+from engine.chat.saved_cache import CacheFolder
 from engine.chat.session import GenerationStats
 from engine.models.catalog import list_models
 from engine.planning.memory import snapshot
@@ -41,7 +43,6 @@ from engine.planning.recommend import LEVELS
 from engine.planning.units import format_bytes
 
 MEMORY_POLL_MS = 1000
-TITLE_LENGTH = 48
 # A streaming reply is written to the database at most this often (a transaction without fsync, on the GUI
 # thread), so a crash of the app loses at most this much of what was shown.
 PARTIAL_SAVE_INTERVAL_S = 1.0
@@ -131,11 +132,6 @@ def overflow_question(info: Overflow) -> OverflowQuestion:
     return OverflowQuestion("This message does not fit in the model's context.", f"{facts_text}\n\n{advice}", ())
 
 
-def conversation_title(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
-
-
 class ChatController(QObject):
     """State and actions of the chat app. Create it, connect a view, then call `start()`."""
 
@@ -168,6 +164,7 @@ class ChatController(QObject):
     memoryUpdated = Signal(object)  # MemoryReading
     throughputSample = Signal(str, float)
     statsChanged = Signal(object)  # the last reply's GenerationStats
+    savedCacheChanged = Signal(object)  # SavedCacheStatus: a conversation's cache saved, reused or refused
     # downloads
     downloadProgress = Signal(str, float)
     downloadFinished = Signal(str)
@@ -180,6 +177,10 @@ class ChatController(QObject):
         self.settings_file = Path(settings_file) if settings_file else None
         self.settings = settings if settings is not None else load_settings(self.settings_file)
         self.engine = EngineThread(self)
+        # Conversations' KV caches live beside the database; the worker writes and reads them, this side
+        # only lists their sizes (for the panel) and deletes a deleted conversation's.
+        self.saved_caches = CacheFolder(saved_caches_folder(store.path), self.settings.saved_cache_budget_bytes)
+        self.last_saved_cache: SavedCacheStatus | None = None
         self.entries: list[ChatEntry] = []
         self.conversation_id: int | None = None
         self.model: ModelSummary | None = None
@@ -225,6 +226,7 @@ class ChatController(QObject):
         w.documentIngested.connect(self._on_document_ingested)
         w.compressionChanged.connect(self._on_compression_changed)
         w.kvBytes.connect(self._on_kv_bytes)
+        w.savedCache.connect(self._on_saved_cache)
         d = self.engine.downloader
         d.progress.connect(self.downloadProgress.emit)
         d.finished.connect(self._on_download_finished)
@@ -241,6 +243,7 @@ class ChatController(QObject):
         except StoreError as error:
             self.errorRaised.emit(str(error))
         self.refresh_conversations()
+        self.engine.requestConfigureSavedCaches.emit(str(self.saved_caches.folder), self.saved_caches.budget_bytes)
         conversations = self.store.list_conversations()
         if conversations:
             self.open_conversation(conversations[0].id, sync_worker=False)
@@ -369,7 +372,8 @@ class ChatController(QObject):
             self.engine.requestNewChat.emit()
             return
         _meta, messages = self.store.load_conversation(self.conversation_id)
-        self.engine.requestSetHistory.emit(ConversationStore.to_session_history(messages))
+        # The worker also takes over the conversation's saved cache, if there is a valid one.
+        self.engine.requestOpenConversation.emit(self.conversation_id, ConversationStore.to_session_history(messages))
 
     def new_chat(self) -> None:
         if self._conversation_locked("starting a new chat"):
@@ -390,6 +394,14 @@ class ChatController(QObject):
             self.store.delete(conversation_id)
         except StoreError as error:
             self.errorRaised.emit(str(error))
+            self.refresh_conversations()
+            return
+        # Its cache goes with it: now, and again on the worker after any save of it still queued there.
+        try:
+            self.saved_caches.delete(conversation_id)
+        except OSError as error:
+            self.errorRaised.emit(f"The conversation's saved cache could not be deleted: {error}")
+        self.engine.requestForgetCache.emit(conversation_id)
         self.refresh_conversations()
 
     def generation_options(self, overflow_policy: str | None = None) -> GenerationOptions:
@@ -514,6 +526,7 @@ class ChatController(QObject):
             self.last_stats = stats
             self.statsChanged.emit(stats)
         reply_id, self._reply_message_id = self._reply_message_id, None
+        persisted = False
         try:
             if reply_id is not None:  # saved while streaming: complete that row
                 self.store.update_message(reply_id, content=entry.text, cancelled=cancelled, stats=stats,
@@ -525,8 +538,13 @@ class ChatController(QObject):
                         self.store.delete_messages_from(self.conversation_id, position)
                 self.store.append_message(self.conversation_id, "assistant", entry.text, cancelled=cancelled,
                                           stats=stats, compression=self.compression_label())
+            persisted = self.conversation_id is not None
         except StoreError as error:
             self.errorRaised.emit(f"The reply could not be saved: {error}")
+        if persisted:
+            # The reply is on disk: now its cache (written on the worker thread, which checks that the
+            # session is consistent; a stopped reply's cache holds exactly the tokens it kept).
+            self.engine.requestSaveCache.emit(self.conversation_id)
         self.replyFinished.emit(entry)
         self.refresh_conversations()
 
@@ -660,6 +678,33 @@ class ChatController(QObject):
                     pass
         self.compressionChanged.emit(report)
 
+    # ----- saved caches ----------------------------------------------------------------------------------------------
+    def set_saved_cache_budget(self, budget_bytes: int) -> None:
+        """The disk budget for conversations' saved caches (0: keep none); older ones are evicted to fit."""
+        budget = max(int(budget_bytes), 0)
+        self.settings.saved_cache_budget_bytes = budget
+        self.saved_caches.budget_bytes = budget
+        self.save_settings()
+        self.engine.requestConfigureSavedCaches.emit(str(self.saved_caches.folder), budget)
+
+    def saved_cache_bytes(self) -> tuple[int, int, int]:
+        """(this conversation's saved cache, all saved caches, the budget) in bytes on disk: file sizes
+        only (a few stat calls), never MLX work."""
+        try:
+            files = self.saved_caches.files()
+            total = sum(path.stat().st_size for path in files)
+            mine = self.saved_caches.path_for(self.conversation_id) if self.conversation_id is not None else None
+            own = mine.stat().st_size if mine is not None and mine in files else 0
+        except OSError:  # a file evicted between listing and reading: the next poll is right again
+            return 0, 0, self.saved_caches.budget_bytes
+        return own, total, self.saved_caches.budget_bytes
+
+    def _on_saved_cache(self, status: SavedCacheStatus) -> None:
+        self.last_saved_cache = status
+        if status.action == "not-saved" and status.message:
+            self.noticeRaised.emit(f"This conversation's cache was not saved: {status.message}")
+        self.savedCacheChanged.emit(status)
+
     # ----- memory ----------------------------------------------------------------------------------------------------
     def _on_kv_bytes(self, held: int, fp16: int) -> None:
         self.kv_held, self.kv_fp16 = held, fp16
@@ -669,7 +714,8 @@ class ChatController(QObject):
 
         started = time.perf_counter()
         snap = snapshot(None)
-        reading = MemoryReading.from_snapshot(snap, self.kv_held, self.kv_fp16, time.perf_counter() - started)
+        reading = MemoryReading.from_snapshot(snap, self.kv_held, self.kv_fp16, time.perf_counter() - started,
+                                              self.saved_cache_bytes())
         self.last_memory = reading
         self.memoryUpdated.emit(reading)
         return reading

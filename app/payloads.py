@@ -208,6 +208,18 @@ class PendingDocument:
 
 
 @dataclass(frozen=True)
+class SavedCacheStatus:
+    """What happened to a conversation's saved cache (the file beside the database): saved, reused when the
+    conversation was reopened, or refused (then `message` says why in one sentence)."""
+
+    conversation_id: int
+    action: str  # 'saved' | 'restored' | 'refused' | 'not-saved' | 'deleted'
+    file_bytes: int = 0  # the conversation's file on disk (0: none)
+    tokens: int = 0  # tokens the file holds (saved) or the session took over (restored)
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class MemoryReading:
     """One reading of every memory number the panel shows, in bytes."""
 
@@ -222,14 +234,20 @@ class MemoryReading:
     kv_held: int
     kv_fp16: int
     read_seconds: float
+    saved_cache_bytes: int = 0  # this conversation's saved cache file on disk
+    saved_caches_bytes: int = 0  # every saved conversation cache on disk
+    saved_cache_budget: int = 0  # the disk budget for them (0: caches are not kept)
 
     @classmethod
-    def from_snapshot(cls, snap: Any, kv_held: int, kv_fp16: int, read_seconds: float) -> MemoryReading:
-        """From an engine MemorySnapshot and the cache figures the worker last reported."""
+    def from_snapshot(cls, snap: Any, kv_held: int, kv_fp16: int, read_seconds: float,
+                      saved: tuple[int, int, int] = (0, 0, 0)) -> MemoryReading:
+        """From an engine MemorySnapshot, the cache figures the worker last reported, and the saved caches'
+        (this conversation's file, all files, budget) bytes."""
         return cls(system_total=snap.system_total, system_available=snap.system_available,
                    system_used=snap.system_total - snap.system_available, pressure=snap.pressure,
                    process_rss=snap.process_rss, mlx_active=snap.mlx_active, mlx_peak=snap.mlx_peak,
-                   mlx_cache=snap.mlx_cache, kv_held=kv_held, kv_fp16=kv_fp16, read_seconds=read_seconds)
+                   mlx_cache=snap.mlx_cache, kv_held=kv_held, kv_fp16=kv_fp16, read_seconds=read_seconds,
+                   saved_cache_bytes=saved[0], saved_caches_bytes=saved[1], saved_cache_budget=saved[2])
 
 
 def stats_from_record(stats: dict[str, Any] | None) -> GenerationStats | None:

@@ -35,6 +35,11 @@ AUTO_COMPRESSION = "auto"
 COMPRESSION_CHOICES = (AUTO_COMPRESSION, *LEVEL_KEYS)
 MAX_TEMPERATURE = 2.0
 MAX_TOKENS_LIMIT = 1_000_000
+# Conversations' KV caches kept on disk beside the database (engine.chat.saved_cache), least recently used
+# evicted first; 0 keeps none. The menu offers these sizes.
+DEFAULT_SAVED_CACHE_BUDGET = 2 * 1024**3
+SAVED_CACHE_BUDGET_CHOICES = (0, 512 * 1024**2, 1024**3, DEFAULT_SAVED_CACHE_BUDGET, 5 * 1024**3, 10 * 1024**3)
+MAX_SAVED_CACHE_BUDGET = 1024**5
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ class Settings:
     max_tokens: int = 512
     window_geometry: bytes | None = None  # QWidget.saveGeometry(); base64 in the file
     theme: str = "system"
+    saved_cache_budget_bytes: int = DEFAULT_SAVED_CACHE_BUDGET  # disk kept for conversations' caches; 0: none
     # Keys found in the file that this version does not know; written back unchanged.
     unknown_keys: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -71,6 +77,8 @@ _VALIDATORS: dict[str, Any] = {
     "max_tokens": lambda value: isinstance(value, int) and not isinstance(value, bool)
     and 1 <= value <= MAX_TOKENS_LIMIT,
     "theme": lambda value: value in THEMES,
+    "saved_cache_budget_bytes": lambda value: isinstance(value, int) and not isinstance(value, bool)
+    and 0 <= value <= MAX_SAVED_CACHE_BUDGET,
 }
 
 

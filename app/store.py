@@ -41,6 +41,8 @@ from engine.errors import VeloxError
 from engine.paths import PRIVATE_FILE_MODE, data_dir, make_private_file, private_dir
 
 DATABASE_FILE_NAME = "velox.sqlite3"
+SAVED_CACHES_FOLDER_NAME = "caches"  # conversations' saved KV caches, beside the database
+TITLE_LENGTH = 48
 SCHEMA_VERSION = 2
 ROLES = ("system", "user", "assistant")
 # A message's life: 'complete' once written whole; a reply is 'streaming' while it is saved as it arrives,
@@ -153,6 +155,17 @@ assert len(MIGRATIONS) == SCHEMA_VERSION
 
 def default_database_path() -> Path:
     return data_dir() / DATABASE_FILE_NAME
+
+
+def saved_caches_folder(database_path: str | Path) -> Path:
+    """The folder of conversations' saved KV caches (engine.chat.saved_cache) kept with a database."""
+    return Path(database_path).parent / SAVED_CACHES_FOLDER_NAME
+
+
+def conversation_title(text: str) -> str:
+    """A conversation's title: its first question on one line, cut to TITLE_LENGTH characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 
 def _is_corruption(error: sqlite3.DatabaseError) -> bool:

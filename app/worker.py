@@ -37,10 +37,12 @@ from app.payloads import (
     LevelVerdict,
     ModelSummary,
     Overflow,
+    SavedCacheStatus,
     TurnResult,
 )
 from engine.chat.documents import count_tokens, load_document
 from engine.chat.reply_check import degenerate_reply
+from engine.chat.saved_cache import CacheFolder, SavedCacheError, restore_session_cache, save_session_cache
 from engine.chat.session import (
     ChatSession,
     GenerationSettings,
@@ -100,7 +102,7 @@ class EngineWorker(QObject):
     modelLoadFailed = Signal(str)
     recommendation = Signal(object)  # LevelAdvice or None
     # a turn
-    busyChanged = Signal(bool, str)  # busy, what ('loading', 'thinking', 'reading', 'compressing', '')
+    busyChanged = Signal(bool, str)  # busy, what ('loading', 'thinking', 'reading', 'compressing', 'reopening', '')
     turnStarted = Signal(str)  # 'send' | 'regenerate'
     prefillProgress = Signal(int, int)
     textChunk = Signal(str)
@@ -118,6 +120,7 @@ class EngineWorker(QObject):
     compressionChanged = Signal(object)  # CompressionReport
     kvBytes = Signal(int, int)  # bytes held now, bytes a 16-bit cache would need for the same tokens
     historySet = Signal(int)  # number of messages now in the session
+    savedCache = Signal(object)  # SavedCacheStatus
 
     def __init__(self) -> None:
         super().__init__()
@@ -133,6 +136,7 @@ class EngineWorker(QObject):
         self._next_doc_id = 1
         self._defaults: GenerationOptions | None = None
         self._last_kv_emit = 0.0
+        self._saved_caches: CacheFolder | None = None  # where conversations' caches are kept (None: nowhere)
 
     # ----- called from the GUI thread ---------------------------------------------------------------
     def cancel(self) -> None:
@@ -223,6 +227,79 @@ class EngineWorker(QObject):
             self.session.new_chat()
             self._overflow_policy = None
             self.historySet.emit(0)
+
+    @Slot(str, object)
+    def configure_saved_caches(self, folder: str, budget_bytes: int) -> None:
+        """Keep conversations' caches in `folder` within `budget_bytes` (0: keep none, and drop those kept)."""
+        self._saved_caches = CacheFolder(folder, max(int(budget_bytes), 0)) if folder else None
+        if self._saved_caches is not None:
+            try:
+                self._saved_caches.enforce_budget()
+            except OSError as error:
+                self.notice.emit(f"The saved conversation caches could not be tidied: {error}")
+
+    @Slot(int, object)
+    def open_conversation(self, conversation_id: int, history: list[Any]) -> None:
+        """Show the session a stored conversation and take over its saved cache, so the next question
+        prefills only its own tokens. A file that does not fit this model, template or a damaged one is
+        refused in one line (`notice`), and the next turn re-reads the conversation from its text."""
+        self.set_history(history)
+        folder, session = self._saved_caches, self.session
+        if folder is None or session is None or self.info is None or not self.info.path:
+            return
+        with self._job("reopening", self.notice.emit, "The saved cache could not be used"):
+            try:
+                restored = restore_session_cache(folder, conversation_id, session, self.info.path)
+            except OSError as error:  # the folder itself is unreadable: the same as a refused file
+                restored = None
+                message = f"The saved cache could not be read ({error})."
+            else:
+                message = restored.refusal
+            if message:
+                self.notice.emit(f"{message.rstrip('.')}; Velox will re-read this conversation.")
+                self.savedCache.emit(SavedCacheStatus(conversation_id, "refused", message=message))
+            elif restored is not None and restored.tokens:
+                self.savedCache.emit(SavedCacheStatus(
+                    conversation_id, "restored", file_bytes=self._file_bytes(conversation_id),
+                    tokens=restored.tokens,
+                    message=f"re-encoded from {restored.reencoded_from}" if restored.reencoded_from else "",
+                ))
+            self._emit_kv_bytes(force=True)
+
+    @Slot(int)
+    def save_conversation_cache(self, conversation_id: int) -> None:
+        """Write the session's cache as the conversation's (after its reply is stored). Only a consistent
+        cache is written (every layer holding exactly the tokens the session lists); a failure costs the
+        next reopen a re-read, never the conversation, and is reported in one line."""
+        folder, session = self._saved_caches, self.session
+        if folder is None or session is None or self.info is None or not self.info.path:
+            return
+        if folder.budget_bytes <= 0:
+            folder.delete(conversation_id)  # caches are not kept: none may be left stale either
+            return
+        try:
+            size = save_session_cache(folder, conversation_id, session, self.info.path)
+        except (SavedCacheError, OSError) as error:
+            # An older file stays: it holds an earlier state of this conversation, still a valid prefix.
+            logger.warning("The cache of conversation %s was not saved: %s", conversation_id, error)
+            self.savedCache.emit(SavedCacheStatus(conversation_id, "not-saved", message=str(error)))
+            return
+        except Exception as error:  # a surprise costs the next reopen a re-read, never the worker thread
+            self.savedCache.emit(SavedCacheStatus(conversation_id, "not-saved",
+                                                  message=_unexpected("Saving the cache failed", error)))
+            return
+        self.savedCache.emit(SavedCacheStatus(conversation_id, "saved", file_bytes=size,
+                                              tokens=len(session.cached_tokens)))
+
+    @Slot(int)
+    def forget_conversation_cache(self, conversation_id: int) -> None:
+        """Delete a deleted conversation's cache file (queued after any save of it still waiting)."""
+        if self._saved_caches is not None and self._saved_caches.delete(conversation_id):
+            self.savedCache.emit(SavedCacheStatus(conversation_id, "deleted"))
+
+    def _file_bytes(self, conversation_id: int) -> int:
+        path = self._saved_caches.path_for(conversation_id) if self._saved_caches else None
+        return path.stat().st_size if path is not None and path.is_file() else 0
 
     @Slot(object)
     def set_history(self, history: list[Any]) -> None:
@@ -571,6 +648,10 @@ class EngineThread(QObject):
     requestRegenerate = Signal(object)  # GenerationOptions
     requestNewChat = Signal()
     requestSetHistory = Signal(object)
+    requestOpenConversation = Signal(int, object)  # conversation id, its history
+    requestConfigureSavedCaches = Signal(str, object)  # folder, budget in bytes (an int over 2**31)
+    requestSaveCache = Signal(int)  # conversation id
+    requestForgetCache = Signal(int)  # conversation id
     requestInspectDocument = Signal(str)
     requestIngestDocument = Signal(int, object)  # doc_id, IngestChoice
     requestDiscardDocument = Signal(int)
@@ -596,6 +677,10 @@ class EngineThread(QObject):
         self.requestRegenerate.connect(w.regenerate)
         self.requestNewChat.connect(w.new_chat)
         self.requestSetHistory.connect(w.set_history)
+        self.requestOpenConversation.connect(w.open_conversation)
+        self.requestConfigureSavedCaches.connect(w.configure_saved_caches)
+        self.requestSaveCache.connect(w.save_conversation_cache)
+        self.requestForgetCache.connect(w.forget_conversation_cache)
         self.requestInspectDocument.connect(w.inspect_document)
         self.requestIngestDocument.connect(w.ingest_document)
         self.requestDiscardDocument.connect(w.discard_document)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from engine.paths import models_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def velox(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def velox(*args: str, timeout: int = 300, data_dir: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the tests' own data folder (conftest), or `data_dir`
+    if data_dir is not None:
+        env["VELOX_DATA_DIR"] = str(data_dir)
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
 
@@ -111,3 +116,51 @@ def test_chat_with_a_full_cache_spec(default_model_path):
     assert bad.stderr.strip().splitlines() == [
         "error: Cannot read the KV cache spec 'kivi:k4v4:q9': 'q9' is not a setting. Write one token without "
         "spaces, METHOD[:kKvV][:gG][:wN][:sN][:seed=N][:rotation=NAME][:OPTION=VALUE]..., e.g. kivi:k4v4:g64."]
+
+
+def _reuse(stderr: str) -> tuple[int, int]:
+    """(prompt tokens, reused tokens) from `--stats`' line."""
+    prompt, reused = re.search(r"\[(\d+) prompt tokens \((\d+) reused\)", stderr).groups()
+    return int(prompt), int(reused)
+
+
+def test_a_prompt_is_saved_listed_and_resumed_with_its_cache(default_model_path, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "models").symlink_to(models_dir(), target_is_directory=True)
+    first = velox("chat", "--kv-bits", "4", "--prompt", "What is the capital of France?", "--max-tokens", "12",
+                  data_dir=data)
+    assert first.returncode == 0 and "Paris" in first.stdout, first.stderr
+    assert velox("chat", "--no-save", "--prompt", "Name a colour.", "--max-tokens", "4", data_dir=data).returncode == 0
+    listed = velox("chats", data_dir=data)
+    assert listed.returncode == 0, listed.stderr
+    (line,) = listed.stdout.splitlines()  # the --no-save chat is not there
+    assert line.startswith("1  ") and "2 messages" in line and "cache " in line
+    assert line.endswith("What is the capital of France?")
+    cache_file = data / "caches" / "conversation-1.safetensors"
+    assert cache_file.is_file()
+
+    # Resumed: the saved cache (4-bit, taken from the file) holds the first turn; only the new question runs.
+    resumed = velox("chat", "--resume", "1", "--prompt", "And of Germany?", "--max-tokens", "12", "--stats",
+                    data_dir=data)
+    assert resumed.returncode == 0, resumed.stderr
+    prompt, reused = _reuse(resumed.stderr)
+    assert reused > 30 and prompt - reused < 20 and "re-reading" not in resumed.stderr
+    assert "Berlin" in resumed.stdout
+    second = velox("chat", "--no-save", "--prompt", "Name a colour.", "--max-tokens", "4", data_dir=data)
+    assert second.returncode == 0
+    newest = velox("chats", data_dir=data).stdout.splitlines()
+    assert len(newest) == 1 and "4 messages" in newest[0]
+
+    # A truncated file is refused in one line, and the conversation is read again from its text.
+    cache_file.write_bytes(cache_file.read_bytes()[:1000])
+    reread = velox("chat", "--resume", "1", "--no-save", "--prompt", "And of Italy?", "--max-tokens", "8",
+                   "--stats", data_dir=data)
+    assert reread.returncode == 0, reread.stderr
+    assert "[The saved cache is damaged or truncated" in reread.stderr and "re-reading the conversation]" in reread.stderr
+    prompt, reused = _reuse(reread.stderr)
+    assert reused == 0 and prompt > 60
+
+    missing = velox("chat", "--resume", "99", "--prompt", "hi", data_dir=data)
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1 and "99" in missing.stderr

@@ -20,9 +20,13 @@ from engine.chat.saved_cache import (
     SavedCacheError,
     load_cache_file,
     model_identity,
+    read_cache_metadata,
+    restore_session_cache,
     save_cache_file,
+    save_session_cache,
     template_identity,
 )
+from engine.chat.session import ChatSession, GenerationSettings
 from engine.kvcache import KVCacheBuilder, KVCacheConfig
 from engine.planning.memory import kv_cache_bytes
 
@@ -210,3 +214,44 @@ def test_kill_during_a_save_leaves_the_previous_file_intact(filled, identity, tm
         os.utime(leftover, (time.time() - 3600, time.time() - 3600))
     CacheFolder(tmp_path).enforce_budget()
     assert not list(tmp_path.glob(".*partial*")) and path.exists()
+
+
+def _turn(session: ChatSession, question: str) -> None:
+    for _event in session.send(question):
+        pass
+
+
+def test_a_session_restores_its_cache_re_encoding_one_saved_at_another_level(smollm, default_model_path,
+                                                                             tmp_path) -> None:
+    model, tokenizer, _ = smollm
+    settings = GenerationSettings(max_tokens=6)
+    live = ChatSession(model, tokenizer, settings=settings)
+    live.set_compression(KIVI4)
+    _turn(live, "Name a colour.")
+    folder = CacheFolder(tmp_path)
+    size = save_session_cache(folder, 5, live, default_model_path)
+    metadata = read_cache_metadata(folder.path_for(5))  # the header only
+    assert metadata["config"] == "kivi:k4v4:g64" and size == folder.path_for(5).stat().st_size
+
+    same = ChatSession(model, tokenizer, settings=settings)
+    same.set_compression(KIVI4)
+    assert restore_session_cache(folder, 5, same, default_model_path).tokens == len(live.cached_tokens)
+    assert same.cached_tokens == live.cached_tokens
+
+    lower = ChatSession(model, tokenizer, settings=settings)
+    lower.set_compression(KVCacheConfig(method="kivi", key_bits=2, value_bits=2, group_size=64))
+    restored = restore_session_cache(folder, 5, lower, default_model_path)
+    assert restored.tokens == len(live.cached_tokens) and restored.reencoded_from == "kivi:k4v4:g64"
+    assert lower.compression.key_bits == 2 and lower.cached_tokens == live.cached_tokens
+    lower.history = list(live.history)  # the conversation, as a reopened session gets it from the store
+    _turn(lower, "Another one?")
+    assert lower.last_stats.reused_tokens == restored.tokens
+
+    other_template = ChatSession(model, tokenizer, system_prompt="Answer in French.", settings=settings)
+    other_template.set_compression(KIVI4)
+    refused = restore_session_cache(folder, 5, other_template, default_model_path)
+    assert refused.tokens == 0 and "another chat template" in refused.refusal
+    assert other_template.cached_tokens == []
+    assert restore_session_cache(folder, 6, same, default_model_path).refusal == ""  # no file: nothing to say
+    (tmp_path / "conversation-7.safetensors").write_bytes(b"\x01" * 4)
+    assert "damaged or truncated" in restore_session_cache(folder, 7, same, default_model_path).refusal

@@ -44,6 +44,7 @@ from app.payloads import (
     Overflow,
     PendingDocument,
 )
+from app.settings import SAVED_CACHE_BUDGET_CHOICES
 from app.views.widgets import icons
 from app.views.widgets.compression_slider import CompressionSlider
 from app.views.widgets.conversation_list import ConversationList
@@ -63,7 +64,7 @@ INSPECTOR_WIDTH = 292
 # Show the reading progress bar for prompts at least this long; shorter ones are read in a blink.
 PROGRESS_MIN_TOKENS = 256
 BUSY_TEXT = {"loading": "Loading model…", "thinking": "Thinking…", "reading": "Reading…",
-             "compressing": "Re-encoding the cache…"}
+             "compressing": "Re-encoding the cache…", "reopening": "Loading the saved cache…"}
 
 
 
@@ -254,6 +255,16 @@ class ChatWindow(QMainWindow):
             action.triggered.connect(lambda _checked=False, key=level.key: self.compression.choose(key))
             self.compression_actions.addAction(action)
             self.compression_menu.addAction(action)
+        # Conversations' KV caches kept on disk, so reopening one reads nothing again.
+        self.cache_budget_menu = chat_menu.addMenu("Saved Cache Disk Budget")
+        self.cache_budget_actions = QActionGroup(self)
+        budget = self.controller.settings.saved_cache_budget_bytes
+        for choice in sorted({*SAVED_CACHE_BUDGET_CHOICES, budget}):
+            action = QAction(format_bytes(choice) if choice else "Off (keep none)", self, checkable=True)
+            action.setChecked(choice == budget)
+            action.triggered.connect(lambda _checked=False, size=choice: self.controller.set_saved_cache_budget(size))
+            self.cache_budget_actions.addAction(action)
+            self.cache_budget_menu.addAction(action)
 
         view_menu = bar.addMenu("&View")
         self.sidebar_action = self._action(view_menu, "Show Conversations", QKeySequence("Ctrl+Alt+S"),

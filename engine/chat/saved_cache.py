@@ -18,20 +18,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from engine.errors import VeloxError
+from engine.errors import ConfigError, VeloxError
+from engine.kvcache import KVCacheConfig
 
 FORMAT_VERSION = "velox-conversation-cache/1"
 FILE_SUFFIX = ".safetensors"
 DEFAULT_BUDGET_BYTES = 2 * 1024**3
 STALE_PARTIAL_S = 600  # a save takes well under a second; an older temporary file is a killed save's
+UNCOMPRESSED_PREFIX = "16-bit "  # the config label of a session without compression, e.g. "16-bit KVCache"
+MAX_HEADER_BYTES = 64 * 1024**2  # a safetensors header is a few kB; anything larger is not ours
 
 
 class SavedCacheError(VeloxError):
@@ -83,7 +87,7 @@ def save_cache_file(path: str | Path, prompt_cache: list[Any], tokens: Sequence[
             f"The cache holds {int(prompt_cache[0].offset) if prompt_cache else 0} tokens, not the "
             f"{len(tokens)} it is being saved with; not saved."
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # caches hold documents: private like them
     metadata = {
         "format": FORMAT_VERSION,
         **identity.as_metadata(),
@@ -213,3 +217,101 @@ class CacheFolder:
             path.unlink(missing_ok=True)
             evicted.append(path)
         return evicted
+
+
+def read_cache_metadata(path: str | Path) -> dict[str, str]:
+    """The Velox metadata of a saved cache file, read from its safetensors header only (no arrays loaded);
+    SavedCacheError when the file is missing or its header is unreadable."""
+    path = Path(path)
+    try:
+        with path.open("rb") as stream:
+            (length,) = struct.unpack("<Q", stream.read(8))
+            if length > MAX_HEADER_BYTES:
+                raise ValueError("header too large")
+            header = json.loads(stream.read(length).decode("utf-8"))
+    except FileNotFoundError as error:
+        raise SavedCacheError("There is no saved cache for this conversation.") from error
+    except (OSError, struct.error, ValueError) as error:
+        raise SavedCacheError(f"The saved cache is damaged or truncated ({type(error).__name__}).") from error
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict):
+        return {}
+    # mlx-lm flattens [our metadata, the layers' meta_state, their class names] into "0.key", "1.i", "2.i.j".
+    return {str(key)[2:]: str(value) for key, value in metadata.items() if str(key).startswith("0.")}
+
+
+def config_label(session: Any) -> str:
+    """The cache configuration a ChatSession holds, as the identity records it: the config's one-token
+    spec (`kivi:k4v4:g64`), or for an uncompressed session "16-bit " plus the class its cache uses (mlx-lm's
+    KVCache, or the float32 cache of the Linux CPU fast path)."""
+    if session.compression is not None:
+        return str(session.compression)
+    return UNCOMPRESSED_PREFIX + type(session.prompt_cache[0]).__name__
+
+
+def session_identity(session: Any, model_dir: str | Path) -> CacheIdentity:
+    """The identity a saved cache must carry to be valid for `session` (a ChatSession on `model_dir`)."""
+    return CacheIdentity(model_identity(model_dir), template_identity(session.tokenizer, session.system_prompt),
+                         config_label(session))
+
+
+def save_session_cache(folder: CacheFolder, conversation_id: int, session: Any, model_dir: str | Path) -> int:
+    """Save the session's cache as `conversation_id`'s (then keep the folder within its budget); returns the
+    file's size. Refused (SavedCacheError) unless every layer holds exactly the session's `cached_tokens`:
+    a cache caught between two states is never written."""
+    tokens = list(session.cached_tokens)
+    offsets = {int(layer.offset) for layer in session.prompt_cache}
+    if not tokens or offsets != {len(tokens)}:
+        raise SavedCacheError(f"The cache holds {sorted(offsets)} tokens, not the {len(tokens)} it lists; not saved.")
+    return folder.save(conversation_id, session.prompt_cache, tokens, session_identity(session, model_dir))
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What `restore_session_cache` did: tokens adopted (0: none), and a sentence when a file was refused."""
+
+    tokens: int
+    refusal: str = ""
+    reencoded_from: str = ""  # the config the file was saved with, when it was re-encoded to the session's
+
+
+def _saved_config(label: str) -> Any:
+    """The KVCacheConfig a saved file's config label names (None: uncompressed); ConfigError if none."""
+    if label.startswith(UNCOMPRESSED_PREFIX):
+        return None
+    return KVCacheConfig.parse(label)
+
+
+def restore_session_cache(folder: CacheFolder, conversation_id: int, session: Any,
+                          model_dir: str | Path) -> Restored:
+    """Give `session` the saved cache of `conversation_id`, so its next turn prefills only new tokens.
+
+    A file saved at another compression level is loaded as it was saved and re-encoded to the session's
+    level (as a live switch does: no model call). No file: Restored(0). Any other doubt (another model or
+    template, a damaged file, an unknown version): Restored(0, the reason), the session untouched, and the
+    next turn re-reads the conversation from its text."""
+    path = folder.path_for(conversation_id)
+    if not path.is_file():
+        return Restored(0)
+    expected = session_identity(session, model_dir)
+    try:
+        saved_label = read_cache_metadata(path).get("config", "")
+        if saved_label and saved_label != expected.config:
+            try:
+                saved_config = _saved_config(saved_label)
+            except ConfigError:
+                raise SavedCacheError("The saved cache was made with an unknown compression setting.") from None
+            prompt_cache, tokens = folder.load(conversation_id, replace(expected, config=saved_label))
+            target, held, held_tokens = session.compression, session.prompt_cache, list(session.cached_tokens)
+            session.adopt_saved_cache(prompt_cache, tokens, compression=saved_config)
+            try:
+                session.set_compression(target)
+            except Exception:
+                session.adopt_saved_cache(held, held_tokens, compression=target)  # as it was
+                raise
+            return Restored(len(tokens), reencoded_from=saved_label)
+        prompt_cache, tokens = folder.load(conversation_id, expected)
+    except SavedCacheError as error:
+        return Restored(0, str(error))
+    session.adopt_saved_cache(prompt_cache, tokens)
+    return Restored(len(tokens))

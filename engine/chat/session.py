@@ -109,6 +109,21 @@ def _default_cache_factory(model: Any) -> list[Any]:
     return caches
 
 
+_SAME = object()  # adopt_saved_cache: the cache was made with the session's own compression
+
+
+def _factory_for(model: Any, config: Any) -> CacheFactory:
+    """The cache factory of a compression (None: the uncompressed default); validates `config` for `model`."""
+    if config is None:
+        return _default_cache_factory
+    config = KVCacheBuilder(config).for_model(model).config
+
+    def factory(model: Any, _config: Any = config) -> list[Any]:
+        return KVCacheBuilder(_config).for_model(model).build()
+
+    return factory
+
+
 class ChatSession:
     """A conversation with a loaded model. Not thread-safe: drive it from one worker thread; `cancel()`
     may be called from any thread."""
@@ -308,13 +323,18 @@ class ChatSession:
         self.prompt_cache = self._cache_factory(self.model)
         self.cached_tokens = []
 
-    def adopt_saved_cache(self, prompt_cache: list[Any], tokens: list[int]) -> None:
+    def adopt_saved_cache(self, prompt_cache: list[Any], tokens: list[int], compression: Any = _SAME) -> None:
         """Take over a cache saved earlier (engine.chat.saved_cache) that holds exactly `tokens`, made with
         this session's model, template and compression (the loader checked that). The next turn reuses
-        its longest common prefix with the rendered conversation, like any cache, so only new tokens run."""
+        its longest common prefix with the rendered conversation, like any cache, so only new tokens run.
+        A cache made with another compression names it (a KVCacheConfig, or None for 16-bit): the session
+        takes that compression over, and `set_compression` can then re-encode it like a live cache."""
         offsets = {int(layer.offset) for layer in prompt_cache}
         if offsets != {len(tokens)}:
             raise ValueError(f"The cache holds {sorted(offsets)} tokens, not {len(tokens)}.")
+        if compression is not _SAME:
+            self._cache_factory = _factory_for(self.model, compression)
+            self.compression = compression
         self.prompt_cache = prompt_cache
         self.cached_tokens = list(tokens)
 
@@ -336,13 +356,9 @@ class ChatSession:
         start = time.perf_counter()
         bytes_before = self.kv_cache_bytes()
         before = self._describe_compression(self.compression)
-        if config is None:
-            factory: CacheFactory = _default_cache_factory
-        else:
-            config = KVCacheBuilder(config).for_model(self.model).config  # validate before touching anything
-
-            def factory(model: Any, _config: Any = config) -> list[Any]:
-                return KVCacheBuilder(_config).for_model(model).build()
+        factory = _factory_for(self.model, config)  # validates the config before touching anything
+        if config is not None:
+            config = KVCacheBuilder(config).for_model(self.model).config
 
         upgrading = self._precision_rank(config) > self._precision_rank(self.compression)
         tokens = list(self.cached_tokens)

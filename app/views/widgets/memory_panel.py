@@ -19,6 +19,14 @@ def section_title(text: str) -> QLabel:
     return label
 
 
+def saved_cache_text(m: MemoryReading) -> str:
+    """'12.3 MB on disk · all 40.1 MB of 2.1 GB', or why there is none."""
+    if m.saved_cache_budget <= 0:
+        return "not kept (budget 0)"
+    mine = f"{format_bytes(m.saved_cache_bytes)} on disk" if m.saved_cache_bytes else "none yet"
+    return f"{mine} · all {format_bytes(m.saved_caches_bytes)} of {format_bytes(m.saved_cache_budget)}"
+
+
 class MemoryPanel(QWidget):
     """Fed by ChatController.memoryUpdated (about once a second) and throughputSample / statsChanged."""
 
@@ -44,8 +52,11 @@ class MemoryPanel(QWidget):
         self.ttft_value = QLabel("—")
         self.prompt_value = QLabel("—")
         self.peak_value = QLabel("—")
+        self.saved_value = QLabel("—")
+        self.saved_value.setToolTip("This conversation's KV cache saved on disk, so reopening it reads nothing "
+                                    "again; and all saved caches against their disk budget.")
         for row, (name, value) in enumerate((("First token", self.ttft_value), ("Last prompt", self.prompt_value),
-                                             ("Peak memory", self.peak_value))):
+                                             ("Peak memory", self.peak_value), ("Saved cache", self.saved_value))):
             caption = QLabel(name)
             caption.setObjectName("caption")
             value.setObjectName("caption")
@@ -78,6 +89,7 @@ class MemoryPanel(QWidget):
             detail = "empty"
         self.kv_gauge.set_value(held / scale, format_bytes(held), detail, c.plot_prefill,
                                 marker=fp16 / scale if fp16 else None)
+        self.saved_value.setText(saved_cache_text(m))
 
     def add_throughput(self, phase: str, tokens_per_second: float) -> None:
         self.plot.add_sample(phase, tokens_per_second)
