@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+from urllib.parse import quote, unquote
 
 from engine.errors import ConfigError
 
 # Option values must survive a JSON round trip unchanged (they are saved with the cache).
 _OPTION_TYPES = (str, int, float, bool, type(None))
+# Characters kept as they are in option values of a spec string; everything else (notably '+', '=',
+# spaces and '%') is percent-encoded, so any string option (e.g. a codebook path) survives `parse(str(c))`.
+_SPEC_SAFE = "/:._-~,@"
+_DEFAULT_GROUP_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,72 @@ class KVCacheConfig:
     def from_json(cls, text: str) -> KVCacheConfig:
         return cls.from_dict(json.loads(text))
 
+    # ----- the one spec syntax --------------------------------------------------------------------------
+    #
+    #     METHOD[:[BITS[/VBITS]][:GROUP]][+wN][+sN][+seed=N][+rotation=KIND][+OPTION=VALUE ...]
+    #
+    # e.g. `kivi:4:64`, `rotated:3/2:32+w128+s4`, `vq:2:64+codebooks=/data/cb`. The bench's cache specs
+    # (engine.bench.specs) are this syntax for Velox caches. No spaces, so a spec is one shell word.
+
+    def __str__(self) -> str:
+        """This config as one spec string; `KVCacheConfig.parse(str(c)) == c` for every config."""
+        text = self.method
+        bits = ""
+        if self.key_bits is not None:
+            bits = str(self.key_bits) + ("" if self.value_bits is None else f"/{self.value_bits}")
+        elif self.value_bits is not None:
+            bits = f"/{self.value_bits}"
+        if bits or self.group_size != _DEFAULT_GROUP_SIZE:
+            text += f":{bits}:{self.group_size}"
+        if self.residual_window:
+            text += f"+w{self.residual_window}"
+        if self.sink_tokens:
+            text += f"+s{self.sink_tokens}"
+        if self.seed:
+            text += f"+seed={self.seed}"
+        if self.rotation != "hadamard":
+            text += f"+rotation={_spec_value(self.rotation)}"
+        for name in sorted(self.options):
+            text += f"+{quote(name, safe='_')}={_spec_value(self.options[name])}"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> KVCacheConfig:
+        """Read a spec string (see `__str__`); ConfigError with the accepted form otherwise. Only the syntax
+        is checked here; `validate(head_dim)` checks the method and its settings."""
+        text = text.strip()
+        try:
+            head, *extras = text.split("+")
+            method, *rest = head.split(":")
+            if not method or len(rest) > 2:
+                raise ValueError(head)
+            fields: dict[str, Any] = {"method": method}
+            if rest and rest[0]:
+                key_text, slash, value_text = rest[0].partition("/")
+                fields["key_bits"] = int(key_text) if key_text else None
+                fields["value_bits"] = int(value_text) if slash else None
+            if len(rest) > 1:
+                fields["group_size"] = int(rest[1])
+            options: dict[str, Any] = {}
+            for extra in extras:
+                name, equals, value = extra.partition("=")
+                if not equals and name[:1] in ("w", "s") and name[1:].isdigit():
+                    fields["residual_window" if name[0] == "w" else "sink_tokens"] = int(name[1:])
+                elif not equals or not name:
+                    raise ValueError(extra)
+                elif name == "seed":
+                    fields["seed"] = int(value)
+                elif name == "rotation":
+                    fields["rotation"] = str(_read_spec_value(value))
+                else:
+                    options[unquote(name)] = _read_spec_value(value)
+        except ValueError:
+            raise ConfigError(
+                f"Cannot read the KV cache spec {text!r}; use METHOD[:BITS[/VBITS][:GROUP]][+wN][+sN]"
+                "[+OPTION=VALUE], e.g. kivi:4:64, rotated:3/2:32+w128+s4 or fp16."
+            ) from None
+        return cls(**fields, options=options)
+
     def describe(self) -> str:
         """A short human label, e.g. 'rotated K4/V4 g64 (window 128, sinks 4)'."""
         from engine.kvcache.registry import get_method
@@ -114,3 +185,22 @@ class KVCacheConfig:
         if extras:
             label += f" ({', '.join(extras)})"
         return label
+
+
+def _spec_value(value: Any) -> str:
+    """An option value as spec text: JSON for numbers, booleans and None; strings as they are unless they
+    would read back as something else (then JSON-quoted), percent-encoded outside `_SPEC_SAFE`."""
+    if isinstance(value, str):
+        text = json.dumps(value) if _read_spec_value(quote(value, safe=_SPEC_SAFE)) != value else value
+    else:
+        text = json.dumps(value)
+    return quote(text, safe=_SPEC_SAFE + '"')
+
+
+def _read_spec_value(text: str) -> Any:
+    text = unquote(text)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, _OPTION_TYPES) else text
