@@ -40,7 +40,15 @@ CONFIGS = {
     "turboquant-1-beta": KVCacheConfig("turboquant", 1, options={"codebook": "beta"}),
     "rvq-2": KVCacheConfig("rvq", 2),
     "rvq-4-window-sinks": KVCacheConfig("rvq", 4, residual_window=8, sink_tokens=2),
+    "qjl-2-v4": KVCacheConfig("qjl", 2, 4, group_size=32),
+    "qjl-4-window-sinks": KVCacheConfig("qjl", 4, 2, group_size=32, residual_window=8, sink_tokens=2),
+    "turboquant_prod-3": KVCacheConfig("turboquant_prod", 3),
+    "turboquant_prod-k4v2-window-sinks": KVCacheConfig("turboquant_prod", 4, 2, residual_window=8, sink_tokens=2),
+    # head_dim 32 (the tiny model) packs whole words of level-1 angles only at 3 bits (16 × 4 bits).
+    "polarquant-3": KVCacheConfig("polarquant", 3),
+    "polarquant-3-window-sinks": KVCacheConfig("polarquant", 3, residual_window=8, sink_tokens=2),
 }
+NEW_METHODS = ["qjl", "turboquant_prod", "polarquant"]
 TINY_HEAD_DIM, TINY_KV_HEADS = 32, 2  # tiny_llama's defaults
 
 
@@ -205,7 +213,7 @@ def test_mlx_lm_stream_generate_runs_unchanged(name: str) -> None:
     assert caches[0].n_compressed > 0
 
 
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 @pytest.mark.parametrize("window", [{}, {"sink_tokens": 4, "residual_window": 16}])
 def test_grouped_query_attention_equals_attention_over_the_decoded_cache(method: str, window: dict) -> None:
     """n_q = 3 × n_kv: attention over compressed storage is attention over exactly what the cache holds."""
@@ -221,11 +229,13 @@ def test_grouped_query_attention_equals_attention_over_the_decoded_cache(method:
             relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, mask)) < 2e-3
         )
         # Against the original keys/values: 4-bit codes on random data (values dominate), bound measured.
-        assert relative_error(output, reference_attention(queries, keys, values, 0.125, mask)) < 0.3
+        # QJL's 4·d sign bits estimate scores without bias but with noise: measured 0.37-0.39.
+        bound = 0.45 if method == "qjl" else 0.3
+        assert relative_error(output, reference_attention(queries, keys, values, 0.125, mask)) < bound
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 def test_input_dtypes(dtype: mx.Dtype, method: str) -> None:
     keys, values = random_kv(n_tokens=96, head_dim=64, seed=9, dtype=dtype)
     cache = filled(make_cache(method, 4, group_size=32, residual_window=4), keys, values)
@@ -234,7 +244,7 @@ def test_input_dtypes(dtype: mx.Dtype, method: str) -> None:
     output = cache.attention(queries, cache, cache, 0.125, "causal")
     assert output.dtype == dtype
     expected = reference_attention(queries, keys, values, 0.125, "causal")
-    assert relative_error(output, expected) < 0.25
+    assert relative_error(output, expected) < (0.45 if method == "qjl" else 0.25)  # qjl: measured 0.36
     dense_keys, dense_values = cache.to_dense()
     assert dense_keys.dtype == dense_values.dtype == dtype
     side = [a for n, a in cache._store.items() if mx.issubdtype(a.dtype, mx.floating)]
@@ -259,7 +269,7 @@ def test_re_encode_from_another_method_in_chunks(source: str, target: str) -> No
     assert all(k.shape[-2] <= 48 for k, _ in chunks) and sum(k.shape[-2] for k, _ in chunks) == 200
 
 
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 def test_batches_of_two_sequences(method: str) -> None:
     keys, values = random_kv(batch=2, n_kv_heads=3, n_tokens=100, head_dim=64, seed=16)
     cache = filled(make_cache(method, 4, group_size=32, residual_window=4), keys, values)
@@ -274,7 +284,11 @@ def test_batches_of_two_sequences(method: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "bits"), [("kivi", (2, 3, 4, 8)), ("turboquant", (1, 2, 3, 4)), ("rvq", (2, 3, 4))]
+    ("method", "bits"),
+    [
+        ("kivi", (2, 3, 4, 8)), ("turboquant", (1, 2, 3, 4)), ("rvq", (2, 3, 4)), ("qjl", (1, 2, 4, 8)),
+        ("turboquant_prod", (2, 3, 4)), ("polarquant", (2, 3, 4)),
+    ],
 )
 def test_attention_error_decreases_with_bits(method: str, bits: tuple[int, ...]) -> None:
     keys, values = random_kv(n_kv_heads=3, n_tokens=256, head_dim=64, seed=4)
@@ -289,8 +303,10 @@ def test_attention_error_decreases_with_bits(method: str, bits: tuple[int, ...])
     # Each extra bit must buy a real gain (a broken codebook or scale stalls), and the top is accurate.
     assert all(worse > 1.25 * better for worse, better in zip(errors, errors[1:], strict=False)), errors
     # Measured (random keys and values, 9 q / 3 kv heads): kivi 8-bit 0.006, turboquant 4-bit 0.21,
-    # rvq 2+2 0.29 -- attention output error on random data is dominated by the values' error.
-    assert errors[-1] < {"kivi": 0.02, "turboquant": 0.25, "rvq": 0.35}[method], errors
+    # rvq 2+2 0.29 -- attention output error on random data is dominated by the values' error; qjl with
+    # 8·d sign bits 0.49 (sketch noise on sharp scores), turboquant_prod 4 0.27, polarquant 4 0.21.
+    bounds = {"kivi": 0.02, "turboquant": 0.25, "rvq": 0.35, "qjl": 0.55, "turboquant_prod": 0.3, "polarquant": 0.25}
+    assert errors[-1] < bounds[method], errors
 
 
 @pytest.mark.parametrize("bits", [2, 4])
