@@ -122,6 +122,10 @@ class VeloxKVCache(_BaseCache):
             )
 
     @classmethod
+    def check_model(cls, config: KVCacheConfig, model: Any) -> None:
+        """Checks against the model itself (e.g. calibrated codebooks made for it); ConfigError if not."""
+
+    @classmethod
     def effective_bits_per_value(
         cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
     ) -> float:
