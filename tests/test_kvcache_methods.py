@@ -128,13 +128,13 @@ def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
     assert cache.nbytes == array_bytes(cache) > 0
     method = get_method(cache.config.method)
     # Buffers grow by 256-token steps, so the formula is evaluated at the allocated token count.
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     expected = method.expected_nbytes(cache.config, TINY_HEAD_DIM, allocated, TINY_KV_HEADS)
     assert cache.nbytes == pytest.approx(expected, rel=1e-12)
     # Attention keeps nothing decoded: after another step everything held is still storage + constants.
     model(mx.array([[5]]), cache=caches)
     mx.eval([c.state for c in caches])
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     expected = method.expected_nbytes(cache.config, TINY_HEAD_DIM, allocated, TINY_KV_HEADS)
     assert cache.nbytes == array_bytes(cache) == pytest.approx(expected, rel=1e-12)
 
@@ -159,7 +159,7 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     cache = filled(get_method(config.method)(config), keys, values, chunk=256)
     assert cache.offset == 2048
     method = get_method(config.method)
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     assert cache.nbytes == array_bytes(cache)
     assert cache.nbytes == pytest.approx(method.expected_nbytes(cache.config, 64, allocated, 3), rel=1e-12)
     if not config.residual_window:
@@ -434,3 +434,42 @@ def test_teacher_forced_perplexity_on_real_prose(smollm) -> None:
     kl = {name: result.kl_to_reference for name, result in results.items()}
     assert kl["fp16"] == 0 < kl["kivi-4"] < kl["turboquant-4"] < kl["rvq-4"] < kl["turboquant-2"], kl
     assert kl["turboquant-2"] > 4 * kl["turboquant-4"], kl
+
+
+def test_kivi_sinks_stay_in_the_block_stream_so_blocks_align_to_positions() -> None:
+    """With 4 sinks and 64-token blocks, 4096 tokens are 64 whole blocks and no 16-bit window (the sinks'
+    stream copies are compressed too, counted, and never attended to); attention and dense export see each
+    token once, the sinks at 16 bits."""
+    config = KVCacheConfig("kivi", 4, group_size=64, sink_tokens=4)
+    kivi = get_method("kivi")
+    assert kivi.token_split(config, 4096) == (4, 4096, 0)
+    assert kivi.effective_bits_per_value(config, 64, 4096, 3) == pytest.approx(4.5 + 4 * 16 / 4096)
+    keys, values = random_kv(n_kv_heads=3, n_tokens=300, head_dim=64, seed=21)
+    cache = filled(make_cache("kivi", 4, group_size=64, sink_tokens=4), keys, values)
+    assert (cache.n_sink, cache.n_compressed, cache.n_window, cache.n_duplicated) == (4, 256, 44, 4)
+    dense_keys, dense_values = cache.to_dense()
+    assert dense_keys.shape[-2] == 300
+    assert mx.array_equal(dense_keys[..., :4, :], keys[..., :4, :].astype(mx.float16).astype(mx.float32))
+    queries = queries_for(9, 6, 64)
+    for mask in ("causal", None):
+        output = cache.attention(queries, cache, cache, 0.125, mask)
+        assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, mask)) < 2e-3
+    cache.trim(298)  # into the sinks: the stream and the sinks both keep the first 2 tokens
+    assert (cache.offset, cache.n_sink, cache.n_compressed + cache.n_window) == (2, 2, 2)
+    assert mx.array_equal(cache.to_dense()[0], dense_keys[..., :2, :])
+
+
+def test_kivi_key_block_option_halves_the_key_scale_overhead() -> None:
+    kivi = get_method("kivi")
+    config = KVCacheConfig("kivi", 4, group_size=64, options={"key_block": 128})
+    # Keys: 4 + 32/128 bits, values: 4 + 32/64 bits.
+    assert kivi.effective_bits_per_value(config, 64) == 4.375
+    keys, values = random_kv(n_kv_heads=3, n_tokens=300, head_dim=64, seed=22)
+    cache = filled(make_cache("kivi", 4, group_size=64, options={"key_block": 128}), keys, values)
+    assert (cache.n_compressed, cache.n_window) == (256, 44)
+    assert cache._store["key_scales"].shape[-1] == 256 // 128
+    assert cache.nbytes == array_bytes(cache)
+    exact = filled(make_cache("kivi", 4, group_size=64, options={"key_block": 128}), keys[..., :256, :], values[..., :256, :])
+    assert exact.nbytes == kivi.expected_nbytes(exact.config, 64, 256, 3)
+    with pytest.raises(ConfigError, match="key block"):
+        KVCacheConfig("kivi", 4, options={"key_block": 48}).validate(64)

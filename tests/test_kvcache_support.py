@@ -189,7 +189,7 @@ def assert_trim_drops_the_newest_tokens(model: llama.Model, caches: list[Any]) -
     for cache, (keys, values) in zip(caches, before, strict=True):
         assert cache.offset == cache.size() == 75
         segments = _segments(cache)
-        assert segments is None or sum(segments) == 75
+        assert segments is None or sum(segments) - getattr(cache, "n_duplicated", 0) == 75  # sinks counted once
         trimmed_keys, trimmed_values = cache.to_dense()
         assert mx.array_equal(trimmed_keys, keys[..., :75, :])
         assert mx.array_equal(trimmed_values, values[..., :75, :])
