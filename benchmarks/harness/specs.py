@@ -85,6 +85,9 @@ class CacheSpec:
             label += f" w{self.residual_window}"
         if self.sink_tokens:
             label += f" s{self.sink_tokens}"
+        for name, value in sorted(self.options.items()):
+            if name not in ("prefill_attention", "codebooks"):  # the device's choice; a path
+                label += f" {name}={value}"
         return label
 
     @property
@@ -103,7 +106,12 @@ class CacheSpec:
             raise ConfigError(f"{self.text!r} is not a Velox cache.")
         from engine.kvcache import KVCacheConfig
 
-        fields: dict[str, Any] = {"method": self.method, "options": dict(self.options)}
+        options = dict(self.options)
+        fields: dict[str, Any] = {"method": self.method}
+        for name in ("seed", "rotation"):  # config fields written as `+name=value` extras
+            if name in options:
+                fields[name] = options.pop(name)
+        fields["options"] = options
         for name in ("key_bits", "value_bits", "group_size"):
             value = getattr(self, name)
             if value is not None:
@@ -157,7 +165,8 @@ def parse_spec(text: str) -> CacheSpec:
             bits = int(parts[0])
             group = int(parts[1]) if len(parts) > 1 else MLX_DEFAULT_GROUP
             return CacheSpec(text, "mlx-lm", "quantized", bits, bits, group)
-        if text.startswith(VELOXQUANT_PREFIX):
+        # The peer is vq:NAME:BITS; Velox's own `vq` method has bits right after the colon (vq:2+codebooks=D).
+        if text.startswith(VELOXQUANT_PREFIX) and not text[len(VELOXQUANT_PREFIX) :][:1].isdigit():
             method, bits = text[len(VELOXQUANT_PREFIX) :].split(":")
             return CacheSpec(text, "veloxquant", method, int(bits), int(bits))
         head, *extras = text.split("+")
@@ -170,8 +179,11 @@ def parse_spec(text: str) -> CacheSpec:
         if len(rest) > 1:
             group = int(rest[1])
         window = sinks = 0
+        options: dict[str, Any] = {}
         for extra in extras:
-            if extra.startswith("w"):
+            if "=" in extra:  # method options, seed, rotation: read by KVCacheConfig.parse (the one syntax)
+                options.update(_config_extras(f"{method}+{extra}"))
+            elif extra.startswith("w"):
                 window = int(extra[1:])
             elif extra.startswith("s"):
                 sinks = int(extra[1:])
@@ -185,8 +197,22 @@ def parse_spec(text: str) -> CacheSpec:
     from engine.kvcache import get_method
 
     method_class = get_method(method)  # ConfigError naming the known methods
-    options = {} if method_class.attention_path == "dense" else {"prefill_attention": "auto"}
+    if method_class.attention_path != "dense":
+        options = {"prefill_attention": "auto", **options}
     return CacheSpec(text, "velox", method, key_bits, value_bits, group, window, sinks, options)
+
+
+def _config_extras(text: str) -> dict[str, Any]:
+    """Options (and seed/rotation, kept under their field names) of one `+name=value` spec extra."""
+    from engine.kvcache import KVCacheConfig
+
+    config = KVCacheConfig.parse(text)
+    extras = dict(config.options)
+    if config.seed:
+        extras["seed"] = config.seed
+    if config.rotation != "hadamard":
+        extras["rotation"] = config.rotation
+    return extras
 
 
 def same_cache(a: CacheSpec, b: CacheSpec, head_dim: int = 64) -> bool:
