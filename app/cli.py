@@ -56,6 +56,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list available models")
     sub.add_parser("info", help="show machine, MLX and memory facts")
     sub.add_parser("methods", help="list KV cache compression methods")
+    sub.add_parser("levels", help="the app's compression levels: bits, configuration spec, measured figures")
+    precompute = sub.add_parser("precompute", help="calibrate the vq method's codebooks for a model")
+    precompute.add_argument("model", help="model folder, 'org/name' in the HF cache, or 'default'")
+    precompute.add_argument("--bits", type=int, required=True, help="bits per coordinate (1, 2, 3 or 4)")
+    precompute.add_argument("--out", required=True, help="folder for the codebook file")
+    precompute.add_argument("--text", action="append", default=[],
+                            help="calibration text file (default: text the model writes itself)")
+    precompute.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
     bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed; from a source checkout)")
@@ -219,6 +227,54 @@ def _methods() -> int:
     return 0
 
 
+def _levels() -> int:
+    """One line per level: key, effective bits (head_dim 128, 4096 tokens, everything counted), the config
+    as one spec string, then what the committed quality sweep measured for it (when run from a checkout)."""
+    from engine.bench.levels import REFERENCE_HEAD_DIM, REFERENCE_KV_HEADS, REFERENCE_TOKENS
+    from engine.recommend import LEVELS
+
+    rows = _quality_rows()
+    for level in LEVELS:
+        bits = level.bits_per_value(REFERENCE_HEAD_DIM, REFERENCE_TOKENS, REFERENCE_KV_HEADS)
+        figures = "not in the committed quality sweep"
+        if level.method in ("fp16", "fp32"):
+            figures = "reference"
+        elif rows is not None:
+            from engine.bench.report import level_matches
+
+            row = next((r for r in rows if level_matches(r["spec"], level)), None)
+            if row is not None:
+                figures = (
+                    f"ppl {100 * (row['ppl_ratio'] - 1):+.2f}% (±{100 * row['delta_nll_se']:.2f}) "
+                    f"KL {row['mean_kl']:.4f} top1 {100 * row['top1_agreement']:.1f}%"
+                )
+        elif rows is None:
+            figures = "no committed benchmark results here"
+        print(f"{level.key:>2}  {bits:6.3f}  {level.spec:<40} {figures}")
+    return 0
+
+
+def _quality_rows() -> list[dict[str, Any]] | None:
+    import json
+
+    from engine.bench.common import ROOT
+
+    path = ROOT / "benchmarks" / "results" / "quality.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["perplexity"]["rows"]
+
+
+def _precompute(args: argparse.Namespace) -> int:
+    from engine.catalog import resolve_model
+    from engine.kvcache.calibration import precompute
+
+    path = resolve_model(args.model, progress=_progress)
+    written = precompute(path, args.bits, args.out, texts=args.text, n_tokens=args.tokens, progress=_progress)
+    print(f"{written}  (use the spec vq:{args.bits}+codebooks={Path(args.out).expanduser().resolve()})")
+    return 0
+
+
 def _app(args: argparse.Namespace) -> int:
     from app.main import run_app
 
@@ -244,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info()
         if args.command == "methods":
             return _methods()
+        if args.command == "levels":
+            return _levels()
+        if args.command == "precompute":
+            return _precompute(args)
         if args.command == "app":
             return _app(args)
         if args.command == "bench":

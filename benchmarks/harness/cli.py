@@ -110,10 +110,7 @@ def level_specs() -> list[str]:
     for level in LEVELS:
         if level.method in ("fp16", "fp32"):
             continue
-        text = f"{level.method}:{level.key_bits}/{level.value_bits}:{level.group_size}"
-        if level.residual_window:
-            text += f"+w{level.residual_window}"
-        out.append(text)
+        out.append(level.spec)
     return out
 
 

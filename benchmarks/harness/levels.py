@@ -2,7 +2,7 @@
 
 For each compressed level a memory budget in effective bits per value: the level's nominal bits + 0.5
 (room for the scales/norms of group-64 quantization), counted with the registry's exact formula at
-head_dim 128 in the long-context limit, as `CompressionLevel.effective_bits` counts it. Among the measured
+head_dim 128 and 4096 tokens (8 kv heads), so 16-bit sink and window tokens are paid for. Among the measured
 Velox configurations within the budget, the level takes the one with the lowest mean KL(fp16 ‖ cache) on
 the quality sweep (KL rather than Δ NLL: it is measured on the whole distribution and varies far less
 between runs). Configurations within `TIE_NATS` of the best are treated as equal, and the one that is cheaper
@@ -21,17 +21,23 @@ from typing import Any
 LEVEL_BUDGET_BITS = {"8": 8.5, "4": 4.5, "3": 3.5, "2": 2.5}
 TIE_NATS = 0.001
 REFERENCE_HEAD_DIM = 128
+REFERENCE_TOKENS = 4096
+REFERENCE_KV_HEADS = 8
 # Extra work per decode step beyond reading the codes (ties are broken towards less).
 _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
 
 def budget_bits(spec_text: str) -> float:
-    """Effective bits per value of a Velox spec at head_dim 128, long-context limit."""
+    """Effective bits per value of a Velox spec at head_dim 128 and 4096 tokens, everything counted."""
     from benchmarks.harness.specs import parse_spec
     from engine.kvcache import get_method
 
     config = parse_spec(spec_text).velox_config()
-    return float(get_method(config.method).effective_bits_per_value(config, REFERENCE_HEAD_DIM))
+    return float(
+        get_method(config.method).effective_bits_per_value(
+            config, REFERENCE_HEAD_DIM, REFERENCE_TOKENS, REFERENCE_KV_HEADS
+        )
+    )
 
 
 def eligible(row: dict[str, Any]) -> bool:
@@ -58,9 +64,13 @@ def select_levels(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return chosen
 
 
-def level_config(row: dict[str, Any]) -> tuple[str, int, int, int, int]:
-    """(method, key bits, value bits, group size, residual window) of a chosen row, as LEVEL_TABLE holds it."""
+def level_config(row: dict[str, Any]) -> Any:
+    """The KVCacheConfig of a chosen row as a level holds it (validated; without the device's prefill
+    choice, which the bench adds to every compressed spec)."""
+    from dataclasses import replace
+
     from benchmarks.harness.specs import parse_spec
 
     config = parse_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
-    return (config.method, config.key_bits, config.value_bits, config.group_size, config.residual_window)
+    options = {k: v for k, v in config.options.items() if k != "prefill_attention"}
+    return replace(config, options=options)

@@ -309,9 +309,11 @@ def level_matches(spec: str, level: Any) -> bool:
         return False
     if level.method in DENSE:
         return True
-    group = parsed.group_size or 64
-    return (parsed.key_bits, parsed.value_bits, group, parsed.residual_window) == (
-        level.key_bits, level.value_bits, level.group_size, level.residual_window)
+    config = parsed.velox_config().validate(128)
+    options = {k: v for k, v in config.options.items() if k != "prefill_attention"}
+    from dataclasses import replace
+
+    return replace(config, options=options) == level.to_config().validate(128)
 
 
 def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

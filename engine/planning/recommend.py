@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 # Rows run from the highest precision to the lowest; `recommend` relies on that order.
 #
 #  key    label            method     key_bits value_bits group residual_window  quality note
-LEVEL_TABLE: tuple[tuple[str, str, str, int, int, int, int, str], ...] = (
+# Optional trailing columns: sink_tokens, then options as (name, value) pairs.
+LEVEL_TABLE: tuple[tuple, ...] = (
     ("16", "Off (16-bit)", "fp16", 16, 16, 64, 0, "uncompressed"),
     # Measured on SmolLM2 over 2 x 4096 tokens of prose (second halves scored): Δ NLL vs fp16 +0.0005,
     ("8", "8-bit", "kivi", 8, 8, 64, 0, "practically lossless"),
@@ -89,6 +90,13 @@ class CompressionLevel:
     group_size: int
     residual_window: int = 0
     quality_note: str = ""
+    sink_tokens: int = 0
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def spec(self) -> str:
+        """The level's configuration as one spec string (`KVCacheConfig.parse` reads it back)."""
+        return str(self.to_config())
 
     @property
     def effective_bits(self) -> float:
@@ -134,6 +142,8 @@ class CompressionLevel:
             value_bits=self.value_bits,
             group_size=self.group_size,
             residual_window=self.residual_window,
+            sink_tokens=self.sink_tokens,
+            options=dict(self.options),
         )
 
 
