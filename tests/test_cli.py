@@ -73,3 +73,25 @@ def test_methods_lists_every_registered_method_with_effective_bits():
     for name in known_methods():
         assert f"\n{name}: " in "\n" + result.stdout
     assert "rotated" in result.stdout and "4→4.50" in result.stdout  # 4-bit codes + fp16 scale/bias per 64
+
+
+def test_levels_print_bits_a_parsable_spec_and_figures():
+    from engine.kvcache import KVCacheConfig
+    from engine.recommend import LEVELS
+
+    result = velox("levels")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(LEVELS)
+    for line, level in zip(lines, LEVELS, strict=True):
+        key, bits, spec, *figures = line.split()
+        assert key == level.key and float(bits) == round(level.bits_per_value(128, 4096, 8), 3)
+        assert KVCacheConfig.parse(spec) == level.to_config()
+        assert figures
+    assert all("KL" in line for line in lines[1:])  # every compressed level is in the committed sweep
+
+
+def test_precompute_refuses_unsupported_bits_before_loading(tmp_path):
+    result = velox("precompute", "default", "--bits", "5", "--out", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "supports 1, 2, 3, 4 bits" in result.stderr

@@ -145,3 +145,32 @@ def test_describe_gives_a_short_label() -> None:
     assert KVCacheConfig("rotated", 3).describe() == "rotated K3/V3 g64"
     labelled = KVCacheConfig("rotated", 4, residual_window=128, sink_tokens=4).describe()
     assert labelled == "rotated K4/V4 g64 (window 128, sinks 4)"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVCacheConfig(),
+        KVCacheConfig("kivi", 4, group_size=32),
+        KVCacheConfig("kivi", 4, 4, sink_tokens=4, options={"key_block": 128}),
+        KVCacheConfig("rotated", 3, 2, 32, 128, 4, seed=9, rotation="orthogonal"),
+        KVCacheConfig("vq", 2, options={"codebooks": "/data/my codebooks+v2/x=y%", "n": 3, "s": "4", "b": True}),
+        KVCacheConfig("turboquant", None, 2, options={"codebook": "beta", "none": None, "f": 0.5}),
+        KVCacheConfig("kivi", group_size=32),
+    ],
+    ids=str,
+)
+def test_spec_string_round_trips(config: KVCacheConfig) -> None:
+    text = str(config)
+    assert " " not in text and KVCacheConfig.parse(text) == config
+
+
+def test_spec_strings_read_the_bench_syntax() -> None:
+    assert KVCacheConfig.parse("kivi:4:64+w128+s4") == KVCacheConfig(
+        "kivi", 4, None, 64, residual_window=128, sink_tokens=4
+    )
+    assert KVCacheConfig.parse("rotated:3/2:32") == KVCacheConfig("rotated", 3, 2, 32)
+    assert str(KVCacheConfig.parse("fp16")) == "fp16"
+    for bad in ("kivi:x", "kivi:4:64:2", "kivi+q", ":4", "kivi+=3"):
+        with pytest.raises(ConfigError, match="Cannot read the KV cache spec"):
+            KVCacheConfig.parse(bad)
