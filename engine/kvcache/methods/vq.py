@@ -37,6 +37,7 @@ from engine.kvcache.methods.turboquant import NORM_BITS
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.vq import (
     SUBSPACE_DIM,
+    VQCodebooks,
     check_model,
     index_bits,
     load_codebooks,
@@ -67,12 +68,7 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
 
     @classmethod
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
-        super().check_config(config, head_dim)
-        if not config.options.get("codebooks"):
-            raise ConfigError(
-                "Method 'vq' needs its calibrated codebooks: write them with `velox precompute MODEL --bits "
-                f"{config.key_bits} --out DIR` and add +codebooks=DIR to the spec."
-            )
+        super().check_config(config, head_dim)  # (the codebooks themselves are checked where they are read)
         if config.key_bits != config.value_bits:
             raise ConfigError("Method 'vq' uses one codebook file per bit width: give keys and values the same bits.")
         g = subspace_dim(config.key_bits)
@@ -97,7 +93,16 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
         """The builder's check that the codebooks belong to `model` (before any cache is built)."""
         from engine.kvcache.quant.vq import model_identity
 
-        check_model(load_codebooks(config.options["codebooks"], config.key_bits), model_identity(model))
+        check_model(cls._codebooks_of(config), model_identity(model))
+
+    @classmethod
+    def _codebooks_of(cls, config: KVCacheConfig) -> VQCodebooks:
+        if not config.options.get("codebooks"):
+            raise ConfigError(
+                "Method 'vq' needs its calibrated codebooks: write them with `velox precompute MODEL --bits "
+                f"{config.key_bits} --out DIR` and add +codebooks=DIR to the spec."
+            )
+        return load_codebooks(config.options["codebooks"], config.key_bits)
 
     # ----- set-up: codebooks of this layer --------------------------------------------------------------
 
@@ -112,7 +117,7 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
     ) -> None:
         super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
         config = self.config
-        codebooks = load_codebooks(config.options["codebooks"], config.key_bits)
+        codebooks = self._codebooks_of(config)
         recorded = codebooks.model
         problems = []
         # The structure the arrays need (the whole model identity is checked by the builder, which has it).
