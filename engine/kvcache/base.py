@@ -492,9 +492,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         overflow = max(0, self.n_window - self.config.residual_window)
         overflow = overflow // self.token_block * self.token_block
         if overflow:
-            self._append_compressed(
-                self._encode(self._window_keys[..., :overflow, :], self._window_values[..., :overflow, :])
-            )
+            chunk_keys, chunk_values = self._window_keys[..., :overflow, :], self._window_values[..., :overflow, :]
+            if self._n_compressed == 0 and self.n_duplicated:
+                chunk_keys, chunk_values = self._neutral_sink_copies(chunk_keys, chunk_values)
+            self._append_compressed(self._encode(chunk_keys, chunk_values))
             if overflow == self.n_window:
                 self._window_keys = self._window_values = None
             else:
@@ -502,6 +503,20 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
                 self._window_values = _owned(self._window_values[..., overflow:, :])
         self.offset += n_new
         return self, self
+
+    def _neutral_sink_copies(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The first block with its sink copies replaced by the mean of the block's other tokens.
+
+        The copies are never attended to (the 16-bit sinks are), but a block quantized per channel takes its
+        range from every token in it, and attention sinks are outliers: measured on SmolLM2 (4-bit KIVI, 2048
+        tokens), keeping the real sink keys in block 0 cost +2.5 % perplexity against +1.0 % with sinks out
+        of the stream. Neutral copies keep the block's range that of its real tokens."""
+        n, block = self.n_duplicated, self.token_block
+        def neutral(x: mx.array) -> mx.array:
+            filler = mx.mean(x[..., n:block, :].astype(mx.float32), axis=-2, keepdims=True).astype(x.dtype)
+            return mx.concatenate([mx.broadcast_to(filler, (*x.shape[:-2], n, x.shape[-1])), x[..., n:, :]], axis=-2)
+
+        return neutral(keys), neutral(values)
 
     def _append_compressed(self, chunk: dict[str, mx.array]) -> None:
         n_new = next(iter(chunk.values())).shape[-2]
