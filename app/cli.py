@@ -229,45 +229,19 @@ def _methods() -> int:
 
 def _levels() -> int:
     """One line per level: key, effective bits (head_dim 128, 4096 tokens, everything counted), the config
-    as one spec string, then what the committed quality sweep measured for it (when run from a checkout)."""
-    from engine.bench.levels import REFERENCE_HEAD_DIM, REFERENCE_KV_HEADS, REFERENCE_TOKENS
-    from engine.recommend import LEVELS
+    as one spec string, then the figures the committed quality sweep measured for it (kept in the table)."""
+    from engine.planning.recommend import BUDGET_HEAD_DIM, BUDGET_KV_HEADS, BUDGET_TOKENS, LEVELS
 
-    rows = _quality_rows()
     for level in LEVELS:
-        bits = level.bits_per_value(REFERENCE_HEAD_DIM, REFERENCE_TOKENS, REFERENCE_KV_HEADS)
-        figures = "not in the committed quality sweep"
-        if level.method in ("fp16", "fp32"):
-            figures = "reference"
-        elif rows is not None:
-            from engine.bench.report import level_matches
-
-            row = next((r for r in rows if level_matches(r["spec"], level)), None)
-            if row is not None:
-                figures = (
-                    f"ppl {100 * (row['ppl_ratio'] - 1):+.2f}% (±{100 * row['delta_nll_se']:.2f}) "
-                    f"KL {row['mean_kl']:.4f} top1 {100 * row['top1_agreement']:.1f}%"
-                )
-        elif rows is None:
-            figures = "no committed benchmark results here"
+        bits = level.bits_per_value(BUDGET_HEAD_DIM, BUDGET_TOKENS, BUDGET_KV_HEADS)
+        figures = "reference" if level.method in ("fp16", "fp32") else level.measured or "not measured"
         print(f"{level.key:>2}  {bits:6.3f}  {level.spec:<40} {figures}")
     return 0
 
 
-def _quality_rows() -> list[dict[str, Any]] | None:
-    import json
-
-    from engine.bench.common import ROOT
-
-    path = ROOT / "benchmarks" / "results" / "quality.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())["perplexity"]["rows"]
-
-
 def _precompute(args: argparse.Namespace) -> int:
-    from engine.catalog import resolve_model
     from engine.kvcache.calibration import precompute
+    from engine.models.catalog import resolve_model
 
     path = resolve_model(args.model, progress=_progress)
     written = precompute(path, args.bits, args.out, texts=args.text, n_tokens=args.tokens, progress=_progress)

@@ -50,14 +50,14 @@ def main() -> None:
 
     prepare_runtime()
 
-    from engine.catalog import load_model
     from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method, model_shape
     from engine.kvcache.evaluate import teacher_forced_token_stats
+    from engine.models.catalog import load_model
 
     if args.model:
         model_dir = args.model
     else:
-        from engine.default_model import ensure_default_model
+        from engine.models.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
     model, tokenizer, info = load_model(model_dir)

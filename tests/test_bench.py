@@ -529,7 +529,7 @@ def test_level_rule_budgets_eligibility_and_ties() -> None:
 def test_level_table_follows_the_committed_quality_sweep() -> None:
     """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
     from benchmarks.harness.common import ROOT
-    from benchmarks.harness.levels import level_config, select_levels
+    from benchmarks.harness.levels import level_config, measured_figures, select_levels
     from engine.planning.recommend import level_by_key
 
     committed = ROOT / "benchmarks" / "results" / "quality.json"
@@ -539,3 +539,4 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     for key, choice in chosen.items():
         level = level_by_key(key)
         assert level.to_config().validate(128) == level_config(choice["row"]), key
+        assert level.measured == measured_figures(choice["row"]), key  # what `velox levels` prints

@@ -77,7 +77,7 @@ def test_methods_lists_every_registered_method_with_effective_bits():
 
 def test_levels_print_bits_a_parsable_spec_and_figures():
     from engine.kvcache import KVCacheConfig
-    from engine.recommend import LEVELS
+    from engine.planning.recommend import LEVELS
 
     result = velox("levels")
     assert result.returncode == 0, result.stderr

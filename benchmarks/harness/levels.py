@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine.planning.recommend import BUDGET_HEAD_DIM as REFERENCE_HEAD_DIM
+from engine.planning.recommend import BUDGET_KV_HEADS as REFERENCE_KV_HEADS
+from engine.planning.recommend import BUDGET_TOKENS as REFERENCE_TOKENS
+
 LEVEL_BUDGET_BITS = {"8": 8.5, "4": 4.5, "3": 3.5, "2": 2.5}
 TIE_NATS = 0.001
-REFERENCE_HEAD_DIM = 128
-REFERENCE_TOKENS = 4096
-REFERENCE_KV_HEADS = 8
 # Extra work per decode step beyond reading the codes (ties are broken towards less).
 _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
@@ -74,3 +75,11 @@ def level_config(row: dict[str, Any]) -> Any:
     config = parse_spec(row["spec"]).velox_config().validate(REFERENCE_HEAD_DIM)
     options = {k: v for k, v in config.options.items() if k != "prefill_attention"}
     return replace(config, options=options)
+
+
+def measured_figures(row: dict[str, Any]) -> str:
+    """A level's figures as LEVEL_TABLE records them (and `velox levels` prints them) from its quality row."""
+    return (
+        f"ppl {100 * (row['ppl_ratio'] - 1):+.2f}% (±{100 * row['delta_nll_se']:.2f}) KL {row['mean_kl']:.4f} "
+        f"top1 {100 * row['top1_agreement']:.1f}% ({row['scored_tokens']} scored tokens per window)"
+    )

@@ -134,7 +134,7 @@ def precompute(
 ) -> Path:
     """Load the model in `model_dir`, calibrate `bits`-bit VQ codebooks on `texts` (or on text the model
     writes) and save them in `out_dir`; returns the file written."""
-    from engine.catalog import load_model
+    from engine.models.catalog import load_model
 
     subspace_dim(bits)  # ConfigError for unsupported bits before the model is loaded
     model, tokenizer, info = load_model(str(model_dir))

@@ -104,7 +104,7 @@ class KVCacheConfig:
     #     METHOD[:[BITS[/VBITS]][:GROUP]][+wN][+sN][+seed=N][+rotation=KIND][+OPTION=VALUE ...]
     #
     # e.g. `kivi:4:64`, `rotated:3/2:32+w128+s4`, `vq:2:64+codebooks=/data/cb`. The bench's cache specs
-    # (engine.bench.specs) are this syntax for Velox caches. No spaces, so a spec is one shell word.
+    # (benchmarks/harness/specs.py) are this syntax for Velox caches. No spaces, so a spec is one shell word.
 
     def __str__(self) -> str:
         """This config as one spec string; `KVCacheConfig.parse(str(c)) == c` for every config."""
