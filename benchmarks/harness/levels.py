@@ -81,5 +81,5 @@ def measured_figures(row: dict[str, Any]) -> str:
     """A level's figures as LEVEL_TABLE records them (and `velox levels` prints them) from its quality row."""
     return (
         f"ppl {100 * (row['ppl_ratio'] - 1):+.2f}% (±{100 * row['delta_nll_se']:.2f}) KL {row['mean_kl']:.4f} "
-        f"top1 {100 * row['top1_agreement']:.1f}% ({row['scored_tokens']} scored tokens per window)"
+        f"top1 {100 * row['top1_agreement']:.1f}% ({row['scored_tokens']} scored tokens)"
     )

@@ -50,16 +50,16 @@ LEVEL_TABLE: tuple[tuple, ...] = (
     ("16", "Off (16-bit)", "fp16", 16, 16, 64, 0, "uncompressed"),
     # Measured on SmolLM2 over 2 x 4096 tokens of prose (second halves scored): Δ NLL vs fp16 +0.0005,
     ("8", "8-bit", "kivi", 8, 8, 64, 0, "practically lossless", 0, (),
-     "ppl +0.05% (±0.04) KL 0.0001 top1 99.4% (4094 scored tokens per window)"),
+     "ppl +0.05% (±0.04) KL 0.0001 top1 99.4% (4094 scored tokens)"),
     # +0.030 nats (perplexity +3.1%; rotated 4-bit at the same bytes: +6.9%, mlx-lm's Q4: +12.6%),
     ("4", "4-bit", "kivi", 4, 4, 64, 0, "small quality loss", 0, (),
-     "ppl +3.09% (±0.44) KL 0.0316 top1 88.7% (4094 scored tokens per window)"),
+     "ppl +3.09% (±0.44) KL 0.0316 top1 88.7% (4094 scored tokens)"),
     # +0.133 nats (+14%),
     ("3", "3-bit", "kivi", 3, 3, 64, 0, "noticeable quality loss", 0, (),
-     "ppl +14.17% (±0.86) KL 0.1362 top1 78.0% (4094 scored tokens per window)"),
+     "ppl +14.17% (±0.86) KL 0.1362 top1 78.0% (4094 scored tokens)"),
     # +0.99 nats (perplexity x2.7): nothing that attends on packed codes does well at 2.5 bits per value.
     ("2", "2-bit", "kivi", 2, 2, 64, 0, "poor quality: answers may be wrong or garbled", 0, (),
-     "ppl +168.63% (±2.60) KL 1.0310 top1 42.3% (4094 scored tokens per window)"),
+     "ppl +168.63% (±2.60) KL 1.0310 top1 42.3% (4094 scored tokens)"),
 )
 
 # Where a level's budget of effective bits is counted (the level rule and `velox levels`): head_dim 128 and
