@@ -1,9 +1,12 @@
 """Near-lossless level candidates: teacher-forced Δ perplexity and KL against fp16 on held-out prose.
 
     python benchmarks/near_lossless.py --text ../shared/data/areopagitica.txt --tokens 2048 \\
-        --specs fp16,kivi:4:64,kivi:4:64+s4+w32 [--windows 2] [--out benchmarks/results/near_lossless.json]
+        --specs fp16,kivi:k4v4:g64,kivi:k4v4:g64:s4:key_block=128 [--windows 2 | --start N ...] \\
+        [--out benchmarks/results/near_lossless.json]
 
-Each spec is a `KVCacheConfig.parse` string (the first must be the reference, normally fp16). Each window of
+Each spec is a `KVCacheConfig.parse` string (the first must be the reference, normally fp16). `--start` places
+a window at that token of every text (repeatable), e.g. away from the windows the quality sweep
+(benchmarks/results/quality.json) scores, so the figures are on prose no level was chosen on. Each window of
 `--tokens` tokens goes through every cache in 64-token chunks; the second half is scored (so every scored
 token attends over compressed history). Per spec: Δ mean NLL vs the reference with a batch-means standard
 error (64-token blocks), the perplexity change exp(Δ) - 1, mean KL(ref || cache), top-1 agreement, and the
@@ -42,6 +45,8 @@ def main() -> None:
     parser.add_argument("--text", action="append", required=True)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=1, help="windows per text, evenly spaced")
+    parser.add_argument("--start", type=int, action="append", default=[],
+                        help="a window starting at this token of each text (repeatable; replaces --windows)")
     parser.add_argument("--specs", required=True)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -73,8 +78,11 @@ def main() -> None:
         ids = list(tokenizer.encode(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False))
         first = len(ids) // 20
         room = len(ids) - first - args.tokens
-        for index in range(args.windows):
-            start = first + (room * index // max(args.windows - 1, 1) if args.windows > 1 else room // 2)
+        starts = args.start or [
+            first + (room * index // max(args.windows - 1, 1) if args.windows > 1 else room // 2)
+            for index in range(args.windows)
+        ]
+        for start in starts:
             tokens = ids[start : start + args.tokens]
             windows.append({"text": Path(text).name, "start": start, "tokens": len(tokens)})
             stats = teacher_forced_token_stats(model, tokens, factories, reference, 64, len(tokens) // 2)

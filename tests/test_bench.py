@@ -640,3 +640,21 @@ def test_importing_the_harness_does_not_load_mlx() -> None:
             "print('mlx' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
+    """`bench quality --add` compares the fp16 reference of the earlier run with its own; a committed run may
+    keep no fp16 row, so the reference is what the rows' paired differences imply (it was a StopIteration)."""
+    from benchmarks.harness.cli import BenchmarkError, reference_nll
+
+    def row(spec: str, nll: float, delta: float) -> dict:
+        return {"spec": spec, "family": "velox", "mean_nll": nll, "delta_nll": delta}
+
+    assert reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.66, 0.0)]) == pytest.approx(3.66)
+    assert reference_nll([row("fp16", 3.5, 0.0), row("kivi:4:64", 3.7, 0.04)]) == 3.5  # its own row first
+    with pytest.raises(BenchmarkError, match="no fp16 row and no Velox rows"):
+        reference_nll([{"spec": "mlx-q:4", "family": "mlx-lm", "mean_nll": 3.8, "delta_nll": 0.1}])
+    with pytest.raises(BenchmarkError, match="imply different fp16 references"):
+        reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.7, 0.0)])
+    committed = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality.json").read_text())
+    assert 3 < reference_nll(committed["perplexity"]["rows"]) < 5

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx_lm.models.cache as mlx_cache
 import pytest
 
@@ -169,5 +171,8 @@ def test_spec_strings_of_the_new_options() -> None:
     assert KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128") == KVCacheConfig(
         "kivi", 4, 4, 64, sink_tokens=4, options={"key_block": 128})
     assert str(KVCacheConfig("qjl", 4, 4, options={"values": "affine"})) == "qjl:k4v4:g64:values=affine"
-    assert KVCacheConfig.parse("vq:k2v2:codebooks='/data/cb'") == KVCacheConfig(
-        "vq", 2, 2, options={"codebooks": "/data/cb"})
+    codebooks = KVCacheConfig("vq", 2, 2, options={"codebooks": "/data/cb"})
+    assert str(codebooks) == "vq:k2v2:g64:codebooks=/data/cb"
+    assert KVCacheConfig.parse("vq:k2v2:codebooks=/data/cb") == replace(codebooks, group_size=64)
+    assert KVCacheConfig.parse("vq:k2v2:codebooks='/data/cb'") == codebooks  # quoted, as other text may be
+    assert KVCacheConfig.parse("x:name=~/cb").options == {"name": "~/cb"}
