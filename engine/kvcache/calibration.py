@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm import generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.quant.vq import (
@@ -43,8 +46,6 @@ Progress = Callable[[str, float], None]
 
 def generated_calibration_tokens(model: Any, tokenizer: Any, n_tokens: int, seed: int = 0) -> list[int]:
     """`n_tokens` tokens the model writes itself, continuing `_OPENINGS` in turn (temperature 1)."""
-    from mlx_lm import generate
-    from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     per_opening = max(16, n_tokens // len(_OPENINGS))
@@ -57,7 +58,6 @@ def generated_calibration_tokens(model: Any, tokenizer: Any, n_tokens: int, seed
 
 def collect_kv(model: Any, tokens: Sequence[int], chunk: int = 512) -> list[tuple[mx.array, mx.array]]:
     """Per layer (keys, values) [1, kv_heads, n, head_dim] of `tokens`, as a cache would receive them."""
-    from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     for start in range(0, len(tokens), chunk):
@@ -97,7 +97,7 @@ def codebooks_from_kv(
 ) -> dict[str, mx.array]:
     """Codebook arrays (`{role}_smooth` [L, d], `{role}_centroids` [L, K, g], float16) from each layer's
     calibration (keys, values) [..., tokens, head_dim]."""
-    from engine.kvcache.methods.vq import VeloxVQKVCache
+    from engine.kvcache.methods.vq import VeloxVQKVCache  # the methods load on first use (registry.py)
 
     g = subspace_dim(bits)
     n_centroids = 1 << index_bits(bits)
@@ -134,7 +134,7 @@ def precompute(
 ) -> Path:
     """Load the model in `model_dir`, calibrate `bits`-bit VQ codebooks on `texts` (or on text the model
     writes) and save them in `out_dir`; returns the file written."""
-    from engine.models.catalog import load_model
+    from engine.models.catalog import load_model  # only `velox precompute` loads a model here
 
     subspace_dim(bits)  # ConfigError for unsupported bits before the model is loaded
     model, tokenizer, info = load_model(str(model_dir))

@@ -41,6 +41,7 @@ from engine.kvcache.quant.vq import (
     check_model,
     index_bits,
     load_codebooks,
+    model_identity,
     nearest_centroid,
     subspace_dim,
 )
@@ -91,8 +92,6 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
     @classmethod
     def check_model(cls, config: KVCacheConfig, model: Any) -> None:
         """The builder's check that the codebooks belong to `model` (before any cache is built)."""
-        from engine.kvcache.quant.vq import model_identity
-
         check_model(cls._codebooks_of(config), model_identity(model))
 
     @classmethod

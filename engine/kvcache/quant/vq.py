@@ -89,6 +89,7 @@ def kmeans(data: mx.array, n_centroids: int, iterations: int = 25, seed: int = 0
 
 def model_identity(model: Any, name: str = "") -> dict[str, Any]:
     """What identifies a model to its codebooks: its name, a hash of its architecture arguments, its shape."""
+    # The builder imports the methods, which import this module: imported here, not at the top.
     from engine.kvcache.builder import model_shape
 
     args = getattr(model, "args", None)
