@@ -11,7 +11,10 @@ to attend with wins (no rotation before attention), then the smaller one.
 
 Only methods whose decoding reads the packed codes directly (`attention_path == "fused"`) are eligible: the
 `dequantize-per-step` methods (turboquant, rvq) decoded 3-4x slower than fp16 on the CPU at 1-2k tokens
-and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving the slider would feel.
+and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving the slider would feel. For the
+same reason a configuration the GPU decode kernel declines (`kernel_declines`: KIVI with key_block other than
+the group size, or with sink tokens kept in its block stream) is not eligible: on a GPU it decodes without the
+kernel.
 """
 
 from __future__ import annotations
@@ -54,9 +57,13 @@ def budget_bits(spec_text: str) -> float:
 def eligible(row: dict[str, Any]) -> bool:
     if row.get("family") != "velox":
         return False
+    from benchmarks.harness.specs import read_result_spec
     from engine.kvcache import get_method
 
-    return get_method(row["method"]).attention_path == "fused"
+    method = get_method(row["method"])
+    if method.attention_path != "fused":
+        return False
+    return method.kernel_declines(read_result_spec(row["spec"]).velox_config()) is None
 
 
 def select_levels(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:

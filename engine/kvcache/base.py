@@ -315,6 +315,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """queries [B, n_kv, R, Dk] (scaled, transformed) · compressed keys -> [B, n_kv, R, n_compressed]."""
         raise NotImplementedError
 
+    @classmethod
+    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
+        """Why the decode kernel has no variant for `config` itself, whatever the device (None: it may have
+        one; `_kernel_unsupported` also checks the shape, the codes and the method). The level rule
+        (benchmarks/harness/levels.py) leaves such configurations out: on a GPU they decode without it."""
+        return None
+
     def _kernel_codecs(
         self,
     ) -> tuple[_kernels.Codec, list[mx.array], _kernels.Codec, list[mx.array]] | None:
@@ -658,6 +665,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codecs = self._kernel_codecs()
         if codecs is None:
             return f"method {self.method_name!r} has no decode kernel"
+        declined = self.kernel_declines(self.config)
+        if declined is not None:
+            return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
         return None
