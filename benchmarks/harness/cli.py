@@ -29,6 +29,8 @@ from benchmarks.harness.common import (
     default_out_dir,
     in_checkout,
     log,
+    machine_info,
+    now,
     prose_paths,
     read_result,
     windows,
@@ -306,7 +308,13 @@ def run_quality(ctx: Context) -> dict[str, Any]:
             added = [parse_spec(r["spec"]) for r in rows]
             rows = [r for r in previous_ppl["rows"]
                     if not any(same_cache(read_result_spec(r["spec"]), spec) for spec in added)] + rows
-            payload["perplexity"] = {**previous_ppl, "rows": rows}
+            # The file stays the earlier run's (its time, machine and load describe most rows); this run is
+            # recorded beside it, with the rows it added.
+            addition = {"created": now(), "machine": machine_info(), "specs": [r["spec"] for r in rows],
+                        "seconds": time.perf_counter() - began}
+            payload["perplexity"] = {**previous_ppl, "rows": rows,
+                                     "additions": [*previous_ppl.get("additions", []), addition]}
+            payload.update({key: previous[key] for key in ("created", "machine", "seconds") if key in previous})
         else:
             payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
             payload["chunking_check"] = results[0].get("chunking_check", {})
@@ -368,7 +376,8 @@ def run_quality(ctx: Context) -> dict[str, Any]:
                          "match_rate": "tokens before the first divergence from fp16 / tokens generated, averaged"},
             "rows": combine_agreement(generations, follow_specs),
         }
-    payload["seconds"] = time.perf_counter() - began
+    if not ctx.args.add:
+        payload["seconds"] = time.perf_counter() - began
     ctx.record("quality", payload)
     return payload
 
