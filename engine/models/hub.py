@@ -23,7 +23,6 @@ download is never taken for a model, and running it again resumes where it stopp
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from engine.errors import CancelledError, DownloadError
 from engine.models.catalog import hf_hub_cache_dir
+from engine.models.transfer import CONNECTION_ERRORS, PartialFile, fetch_resumable, is_transient
 
 try:
     import fcntl
@@ -53,8 +53,6 @@ MLX_COMMUNITY = "mlx-community"
 SAFE_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja")
 PARTIAL_DIR = ".velox-partial"
 INCOMPLETE_SUFFIX = ".incomplete"
-# Reads return what the socket has (up to this much), so Stop is honoured within one read.
-CHUNK_BYTES = 1 << 20
 # Progress callbacks at most this often (plus at the start and the end): a GUI signal per chunk would flood.
 PROGRESS_INTERVAL_S = 0.1
 # A dropped connection is retried from the byte where it stopped, this many times per file.
@@ -180,26 +178,6 @@ def list_remote_files(repo_id: str, revision: str = "main") -> tuple[str, list[R
     return commit, sorted(files, key=lambda f: (f.name == "config.json", f.name))
 
 
-class _Partial:
-    """A file being downloaded: the bytes on disk so far, and the sha256 of exactly those bytes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.size = 0
-        self.digest = hashlib.sha256()
-        if path.is_file():
-            # Read back once what an earlier run brought, so the hash grows with the download from here on
-            # and the finished file is never read a second time.
-            with open(path, "rb") as kept:
-                for block in iter(lambda: kept.read(CHUNK_BYTES), b""):
-                    self.digest.update(block)
-                    self.size += len(block)
-
-    def restart(self) -> None:
-        self.size = 0
-        self.digest = hashlib.sha256()
-
-
 class _Download:
     """One model folder's download: the running byte count, progress throttling and the cancel check."""
 
@@ -219,57 +197,27 @@ class _Download:
             self._last_report = now
             self.progress(DownloadProgress(self.repo_id, file, self.done, self.total))
 
-    def fetch(self, url: str, part: _Partial, remote: RemoteFile) -> None:
+    def fetch(self, url: str, part: PartialFile, remote: RemoteFile) -> None:
         """Bring `part` to `remote.size` bytes, appending from where it stopped; retry dropped connections.
         The bytes `part` already holds are counted in `done` by the caller."""
-        for attempt in range(1, ATTEMPTS_PER_FILE + 1):
-            self.check_cancel()
-            try:
-                self._fetch_rest(url, part, remote)
-                return
-            except (urllib.error.URLError, OSError, HTTPException) as error:
-                if isinstance(error, urllib.error.HTTPError) and error.code not in (408, 429, 500, 502, 503, 504):
-                    raise DownloadError(f"Hugging Face answered {error.code} for {remote.name} of "
-                                        f"{self.repo_id}.") from error
-                if attempt == ATTEMPTS_PER_FILE:
-                    raise DownloadError(
-                        f"The download of {self.repo_id} broke off in {remote.name} ({error}); run it again to "
-                        "resume where it stopped.") from error
-                time.sleep(RETRY_PAUSE_S * attempt)
+        part.expected_size = remote.size
 
-    def _fetch_rest(self, url: str, part: _Partial, remote: RemoteFile) -> None:
-        """One HTTP request for the bytes after `part.size`; a connection that ends early raises OSError."""
-        if part.size == remote.size:
-            return
-        with _request(url, {"Range": f"bytes={part.size}-"} if part.size else {}) as response:
-            if part.size and response.status != 206:
-                # The server sent the whole file instead of the rest: start this file over.
-                self.done -= part.size
-                part.restart()
-            try:
-                out = open(part.path, "ab" if part.size else "wb")
-            except OSError as error:
-                raise DownloadError(f"Velox could not write {part.path}: {error.strerror or error}.") from error
-            with out:
-                while True:
-                    self.check_cancel()
-                    chunk = response.read1(CHUNK_BYTES)
-                    if not chunk:
-                        break
-                    if part.size + len(chunk) > remote.size:
-                        raise DownloadError(f"{remote.name} of {self.repo_id} is bigger than the hub said; "
-                                            "the download was stopped.")
-                    try:
-                        out.write(chunk)
-                    except OSError as error:  # a full disk is not a dropped connection: no retry
-                        raise DownloadError(f"Velox could not write {part.path}: {error.strerror or error}."
-                                            ) from error
-                    part.digest.update(chunk)
-                    part.size += len(chunk)
-                    self.done += len(chunk)
-                    self.report(remote.name)
-        if part.size < remote.size:
-            raise ConnectionResetError(f"connection closed after {part.size} of {remote.size} bytes")
+        def counted(delta: int) -> None:
+            self.done += delta
+            self.report(remote.name)
+
+        try:
+            fetch_resumable(lambda first: _request(url, {"Range": f"bytes={first}-"} if first else {}), part,
+                            name=f"{remote.name} of {self.repo_id}", attempts=ATTEMPTS_PER_FILE,
+                            pause_s=RETRY_PAUSE_S, on_bytes=counted, check_cancel=self.check_cancel)
+        except urllib.error.HTTPError as error:
+            if is_transient(error):
+                raise DownloadError(f"The download of {self.repo_id} broke off in {remote.name} (Hugging Face "
+                                    f"answered {error.code}); run it again to resume where it stopped.") from error
+            raise DownloadError(f"Hugging Face answered {error.code} for {remote.name} of {self.repo_id}.") from error
+        except CONNECTION_ERRORS as error:
+            raise DownloadError(f"The download of {self.repo_id} broke off in {remote.name} ({error}); run it "
+                                "again to resume where it stopped.") from error
 
 
 def _complete(path: Path, remote: RemoteFile) -> bool:
@@ -349,7 +297,7 @@ def _download_files(repo_id: str, revision: str, commit: str, files: list[Remote
         done_file = staging / remote.name
         if _complete(done_file, remote):
             continue
-        part = _Partial(staging / (remote.name + INCOMPLETE_SUFFIX))
+        part = PartialFile(staging / (remote.name + INCOMPLETE_SUFFIX))
         job.fetch(f"{endpoint}/{repo_id}/resolve/{commit}/{urllib.parse.quote(remote.name)}", part, remote)
         if remote.sha256 and part.digest.hexdigest() != remote.sha256:
             part.path.unlink()
