@@ -41,10 +41,11 @@ from engine.chat.session import (
 )
 from engine.errors import CancelledError, ConfigError, VeloxError
 from engine.kvcache import KVCacheConfig, describe_methods
+from engine.kvcache.calibration import precompute
 from engine.models.catalog import hf_cached_snapshot, list_models, load_model, resolve_model
 from engine.models.hub import DownloadProgress, download_model, normalize_repo_id
 from engine.planning.memory import snapshot, system_memory
-from engine.planning.recommend import LEVELS, check_fits
+from engine.planning.recommend import BUDGET_TOKENS, LEVELS, check_fits
 from engine.planning.units import format_bytes
 from engine.runtime.status import runtime_status
 
@@ -348,6 +349,25 @@ def _methods() -> int:
     return 0
 
 
+def _levels() -> int:
+    """One line per level: its bits, its configuration as one spec string (`KVCacheConfig.parse` reads it
+    back), then its figures: effective bits where the level rule counts them (head_dim 128, 4096 tokens,
+    sinks, windows and constants paid for) and what the committed quality sweep measured (kept in the table)."""
+    for level in LEVELS:
+        bits = level.budget_bits
+        print(f"{level.key:>2}  {str(level.config):<36} {bits:.3f} bits at {BUDGET_TOKENS} tokens; "
+              f"{level.measured or 'not measured'}")
+    return 0
+
+
+def _precompute(args: argparse.Namespace) -> int:
+    path = resolve_model(args.model, progress=_progress)
+    written = precompute(path, args.bits, args.out, texts=args.text, n_tokens=args.tokens, progress=_progress)
+    codebooks = Path(args.out).expanduser().resolve()
+    print(f"{written}  (use the spec {KVCacheConfig('vq', args.bits, args.bits, options={'codebooks': str(codebooks)})})")
+    return 0
+
+
 def _app(args: argparse.Namespace) -> int:
     from app.main import run_app  # Qt is loaded only for the desktop app, never for the terminal commands
 
@@ -371,6 +391,10 @@ def run_command(args: argparse.Namespace, harness: Any = None) -> int:
             return _chats()
         if args.command == "methods":
             return _methods()
+        if args.command == "levels":
+            return _levels()
+        if args.command == "precompute":
+            return _precompute(args)
         if args.command == "app":
             return _app(args)
         if args.command == "serve":

@@ -584,26 +584,43 @@ def _row(spec: str, kl: float) -> dict:
 def test_level_rule_budgets_eligibility_and_ties() -> None:
     from benchmarks.harness.levels import budget_bits, select_levels
 
-    assert budget_bits("rotated:k4v4:g64") == 4.5 and budget_bits("turboquant:k3v3") == 3.125
-    assert budget_bits("rotated:4:64") == 4.5  # a committed result's old spelling
+    # At 4096 tokens and 8 kv heads, per-layer constants count: a rotation's 128 float32 signs add 0.0005 bits.
+    assert budget_bits("affine:k4v4:g64") == 4.5
+    assert budget_bits("rotated:k4v4:g64") == pytest.approx(4.5005, abs=1e-4)
+    assert budget_bits("rotated:4:64") == budget_bits("rotated:k4v4:g64")  # a committed result's old spelling
+    assert budget_bits("turboquant:k3v3") == pytest.approx(3.1256, abs=1e-4)
+    # 16-bit sinks are paid for (their stream copies too), and 128-token key blocks halve the keys' scales.
+    assert budget_bits("kivi:k4v4:g64:s4:key_block=128") == pytest.approx(
+        4.375 + 4 * (16 - 4.375) / 4096 + 4 * 4.375 / 4096)
     rows = [
         _row("fp16", 0.0),
         _row("rotated:k8v8:g64", 0.0002), _row("affine:k8v8:g64", 0.0004),  # a tie: the one without a rotation wins
         _row("kivi:k4v4:g32", 0.03),  # 5.0 bits: only fits the 8-bit budget
-        _row("rotated:k4v4:g64", 0.06), _row("affine:k4v4:g64", 0.11),
+        _row("rotated:k4v4:g64", 0.06), _row("affine:k4v4:g64", 0.11),  # rotated: 4.5005 bits, over 4.5
         _row("turboquant:k3v3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
         _row("rotated:k3v2:g32", 0.29), _row("kivi:k3v3:g64", 0.2),
         _row("mlx-q:k2v2", 0.0),  # not a Velox method
+        # fused and within 4.5 / 3.5 bits, but the GPU decode kernel declines them (key_block, sinks in stream)
+        _row("kivi:k4v4:g64:s4:key_block=128", 0.02), _row("kivi:k3v3:g64:key_block=128", 0.1),
+        _row("kivi:k3v3:g64:s4", 0.1),
     ]
     chosen = {key: value["row"]["spec"] for key, value in select_levels(rows).items()}
     # nothing fused fits 2.5 bits
-    assert chosen == {"8": "affine:k8v8:g64", "4": "rotated:k4v4:g64", "3": "kivi:k3v3:g64"}
+    assert chosen == {"8": "affine:k8v8:g64", "4": "affine:k4v4:g64", "3": "kivi:k3v3:g64"}
+
+
+def test_level_budgets_are_counted_where_the_app_counts_them() -> None:
+    from benchmarks.harness import levels
+    from engine.planning import recommend
+
+    assert (levels.REFERENCE_HEAD_DIM, levels.REFERENCE_TOKENS, levels.REFERENCE_KV_HEADS) == (
+        recommend.BUDGET_HEAD_DIM, recommend.BUDGET_TOKENS, recommend.BUDGET_KV_HEADS)
 
 
 def test_level_table_follows_the_committed_quality_sweep() -> None:
     """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
     from benchmarks.harness.common import ROOT
-    from benchmarks.harness.levels import level_config, select_levels
+    from benchmarks.harness.levels import level_config, measured_figures, select_levels
     from engine.planning.recommend import level_by_key
 
     committed = ROOT / "benchmarks" / "results" / "quality.json"
@@ -612,6 +629,7 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
         assert level_by_key(key).config == level_config(choice["row"]), key
+        assert level_by_key(key).measured == measured_figures(choice["row"]), key  # what `velox levels` prints
 
 
 def test_importing_the_harness_does_not_load_mlx() -> None:
@@ -625,3 +643,21 @@ def test_importing_the_harness_does_not_load_mlx() -> None:
             "print('mlx' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
+    """`bench quality --add` compares the fp16 reference of the earlier run with its own; a committed run may
+    keep no fp16 row, so the reference is what the rows' paired differences imply (it was a StopIteration)."""
+    from benchmarks.harness.cli import BenchmarkError, reference_nll
+
+    def row(spec: str, nll: float, delta: float) -> dict:
+        return {"spec": spec, "family": "velox", "mean_nll": nll, "delta_nll": delta}
+
+    assert reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.66, 0.0)]) == pytest.approx(3.66)
+    assert reference_nll([row("fp16", 3.5, 0.0), row("kivi:4:64", 3.7, 0.04)]) == 3.5  # its own row first
+    with pytest.raises(BenchmarkError, match="no fp16 row and no Velox rows"):
+        reference_nll([{"spec": "mlx-q:4", "family": "mlx-lm", "mean_nll": 3.8, "delta_nll": 0.1}])
+    with pytest.raises(BenchmarkError, match="imply different fp16 references"):
+        reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.7, 0.0)])
+    committed = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality.json").read_text())
+    assert 3 < reference_nll(committed["perplexity"]["rows"]) < 5

@@ -106,6 +106,28 @@ def test_kv_takes_a_method_or_a_full_cache_spec():
             raise AssertionError(f"--kv {kv} --kv-bits {bits} was accepted")
 
 
+def test_levels_print_bits_a_parsable_spec_and_figures():
+    from engine.kvcache import KVCacheConfig
+    from engine.planning.recommend import LEVELS
+
+    result = velox("levels")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == len(LEVELS)
+    for line, level in zip(lines, LEVELS, strict=True):
+        key, spec, bits, *figures = line.split()
+        assert key == level.key and float(bits) == round(level.budget_bits, 3)
+        assert KVCacheConfig.parse(spec) == level.config
+        assert figures
+    assert all("KL" in line for line in lines[1:])  # every compressed level is in the committed sweep
+
+
+def test_precompute_refuses_unsupported_bits_before_loading(tmp_path):
+    result = velox("precompute", "default", "--bits", "5", "--out", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "supports 1, 2, 3, 4 bits" in result.stderr
+
+
 def test_chat_with_a_full_cache_spec(default_model_path):
     result = velox("chat", "--kv", "kivi:k4v4:g64:w16", "--prompt", "What is the capital of France?",
                    "--max-tokens", "24")

@@ -46,7 +46,7 @@ def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
     head_dim, n_kv_heads = 32, 2
     # Buffers grow by 256-token steps, so the formula is evaluated at the allocated token count.
     if hasattr(cache, "capacity"):
-        allocated = cache.n_sink + cache.capacity + cache.n_window
+        allocated = cache.allocated_tokens
     else:
         allocated = 512
     expected = method.expected_nbytes(cache.config, head_dim, allocated, n_kv_heads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx_lm.models.cache as mlx_cache
 import pytest
 
@@ -74,7 +76,7 @@ def test_every_method_declares_its_catalogue_entry() -> None:
         assert info.attention_path in ("dense", "fused", "dequantize-per-step")
         assert info.description and "\n" not in info.description
         assert info.default_bits in info.supported_bits
-        assert info.needs_calibration is False
+        assert info.needs_calibration is (info.name == "vq")  # only vq has calibrated codebooks
     assert infos["affine"].supported_bits == (2, 3, 4, 5, 6, 8)
     assert infos["affine"].attention_path == "fused"
 
@@ -145,3 +147,32 @@ def test_describe_gives_a_short_label() -> None:
     assert KVCacheConfig("rotated", 3).describe() == "rotated K3/V3 g64"
     labelled = KVCacheConfig("rotated", 4, residual_window=128, sink_tokens=4).describe()
     assert labelled == "rotated K4/V4 g64 (window 128, sinks 4)"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVCacheConfig(),
+        KVCacheConfig("kivi", 4, group_size=32),
+        KVCacheConfig("kivi", 4, 4, sink_tokens=4, options={"key_block": 128}),
+        KVCacheConfig("rotated", 3, 2, 32, 128, 4, seed=9, rotation="orthogonal"),
+        KVCacheConfig("vq", 2, options={"codebooks": "/data/my codebooks+v2/x=y%", "n": 3, "s": "4", "b": True}),
+        KVCacheConfig("turboquant", None, 2, options={"codebook": "beta", "none": None, "f": 0.5}),
+        KVCacheConfig("kivi", group_size=32),
+    ],
+    ids=str,
+)
+def test_spec_string_round_trips(config: KVCacheConfig) -> None:
+    text = str(config)
+    assert " " not in text and KVCacheConfig.parse(text) == config
+
+
+def test_spec_strings_of_the_new_options() -> None:
+    assert KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128") == KVCacheConfig(
+        "kivi", 4, 4, 64, sink_tokens=4, options={"key_block": 128})
+    assert str(KVCacheConfig("qjl", 4, 4, options={"values": "affine"})) == "qjl:k4v4:g64:values=affine"
+    codebooks = KVCacheConfig("vq", 2, 2, options={"codebooks": "/data/cb"})
+    assert str(codebooks) == "vq:k2v2:g64:codebooks=/data/cb"
+    assert KVCacheConfig.parse("vq:k2v2:codebooks=/data/cb") == replace(codebooks, group_size=64)
+    assert KVCacheConfig.parse("vq:k2v2:codebooks='/data/cb'") == codebooks  # quoted, as other text may be
+    assert KVCacheConfig.parse("x:name=~/cb").options == {"name": "~/cb"}

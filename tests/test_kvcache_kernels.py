@@ -200,6 +200,25 @@ def test_cpu_falls_back_under_auto_and_require_says_why() -> None:
     assert mx.array_equal(a, b)
 
 
+def test_caches_without_a_kernel_say_why() -> None:
+    """What `kernels='require'` reports on a GPU, and `auto` silently falls back on: the new methods have no
+    decode kernel, and KIVI's kernel reads neither separate key blocks nor the sinks' copies in its stream."""
+    shape = ModelShape(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=64)
+    rng = np.random.default_rng(0)
+    keys = mx.array(rng.standard_normal((1, 1, 300, 64), dtype=np.float32))
+
+    def reason(config: KVCacheConfig) -> str | None:
+        cache = KVCacheBuilder(config).for_shape(shape).build()[0]
+        cache.update_and_fetch(keys, keys)
+        return cache._kernel_unsupported()
+
+    assert reason(KVCacheConfig("kivi", 4, group_size=64)) is None
+    assert "key_block=128" in reason(KVCacheConfig("kivi", 4, group_size=64, options={"key_block": 128}))
+    assert "sink copies" in reason(KVCacheConfig("kivi", 4, group_size=64, sink_tokens=4))
+    for method in ("qjl", "turboquant_prod", "polarquant"):
+        assert reason(KVCacheConfig(method, 4)) == f"method {method!r} has no decode kernel"
+
+
 # ----- parity with the reference (GPU backends only) ------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ from tests.kvcache_helpers import (
     reference_attention,
     relative_error,
     tiny_tokenizer,
+    tiny_vq_codebooks,
 )
 
 CONFIGS = {
@@ -40,7 +41,19 @@ CONFIGS = {
     "turboquant-1-beta": KVCacheConfig("turboquant", 1, options={"codebook": "beta"}),
     "rvq-2": KVCacheConfig("rvq", 2),
     "rvq-4-window-sinks": KVCacheConfig("rvq", 4, residual_window=8, sink_tokens=2),
+    "qjl-2-v4": KVCacheConfig("qjl", 2, 4, group_size=32),
+    "qjl-4-window-sinks": KVCacheConfig("qjl", 4, 2, group_size=32, residual_window=8, sink_tokens=2),
+    "turboquant_prod-3": KVCacheConfig("turboquant_prod", 3),
+    "turboquant_prod-k4v2-window-sinks": KVCacheConfig("turboquant_prod", 4, 2, residual_window=8, sink_tokens=2),
+    # head_dim 32 (the tiny model) packs whole words of level-1 angles only at 3 bits (16 × 4 bits).
+    "polarquant-3": KVCacheConfig("polarquant", 3),
+    "polarquant-3-window-sinks": KVCacheConfig("polarquant", 3, residual_window=8, sink_tokens=2),
+    "vq-2": KVCacheConfig("vq", 2, options={"codebooks": tiny_vq_codebooks(2, model_head_dim=32)}),
+    "vq-3-window-sinks": KVCacheConfig(
+        "vq", 3, residual_window=8, sink_tokens=2, options={"codebooks": tiny_vq_codebooks(3, model_head_dim=32)}
+    ),
 }
+NEW_METHODS = ["qjl", "turboquant_prod", "polarquant", "vq"]
 TINY_HEAD_DIM, TINY_KV_HEADS = 32, 2  # tiny_llama's defaults
 
 
@@ -115,13 +128,13 @@ def test_nbytes_is_every_array_held_and_matches_the_formula(name: str) -> None:
     assert cache.nbytes == array_bytes(cache) > 0
     method = get_method(cache.config.method)
     # Buffers grow by 256-token steps, so the formula is evaluated at the allocated token count.
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     expected = method.expected_nbytes(cache.config, TINY_HEAD_DIM, allocated, TINY_KV_HEADS)
     assert cache.nbytes == pytest.approx(expected, rel=1e-12)
     # Attention keeps nothing decoded: after another step everything held is still storage + constants.
     model(mx.array([[5]]), cache=caches)
     mx.eval([c.state for c in caches])
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     expected = method.expected_nbytes(cache.config, TINY_HEAD_DIM, allocated, TINY_KV_HEADS)
     assert cache.nbytes == array_bytes(cache) == pytest.approx(expected, rel=1e-12)
 
@@ -146,7 +159,7 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     cache = filled(get_method(config.method)(config), keys, values, chunk=256)
     assert cache.offset == 2048
     method = get_method(config.method)
-    allocated = cache.n_sink + cache.capacity + cache.n_window
+    allocated = cache.allocated_tokens
     assert cache.nbytes == array_bytes(cache)
     assert cache.nbytes == pytest.approx(method.expected_nbytes(cache.config, 64, allocated, 3), rel=1e-12)
     if not config.residual_window:
@@ -205,7 +218,7 @@ def test_mlx_lm_stream_generate_runs_unchanged(name: str) -> None:
     assert caches[0].n_compressed > 0
 
 
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 @pytest.mark.parametrize("window", [{}, {"sink_tokens": 4, "residual_window": 16}])
 def test_grouped_query_attention_equals_attention_over_the_decoded_cache(method: str, window: dict) -> None:
     """n_q = 3 × n_kv: attention over compressed storage is attention over exactly what the cache holds."""
@@ -221,11 +234,13 @@ def test_grouped_query_attention_equals_attention_over_the_decoded_cache(method:
             relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, mask)) < 2e-3
         )
         # Against the original keys/values: 4-bit codes on random data (values dominate), bound measured.
-        assert relative_error(output, reference_attention(queries, keys, values, 0.125, mask)) < 0.3
+        # QJL's 4·d sign bits estimate scores without bias but with noise: measured 0.37-0.39.
+        bound = 0.45 if method == "qjl" else 0.3
+        assert relative_error(output, reference_attention(queries, keys, values, 0.125, mask)) < bound
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 def test_input_dtypes(dtype: mx.Dtype, method: str) -> None:
     keys, values = random_kv(n_tokens=96, head_dim=64, seed=9, dtype=dtype)
     cache = filled(make_cache(method, 4, group_size=32, residual_window=4), keys, values)
@@ -234,7 +249,7 @@ def test_input_dtypes(dtype: mx.Dtype, method: str) -> None:
     output = cache.attention(queries, cache, cache, 0.125, "causal")
     assert output.dtype == dtype
     expected = reference_attention(queries, keys, values, 0.125, "causal")
-    assert relative_error(output, expected) < 0.25
+    assert relative_error(output, expected) < (0.45 if method == "qjl" else 0.25)  # qjl: measured 0.36
     dense_keys, dense_values = cache.to_dense()
     assert dense_keys.dtype == dense_values.dtype == dtype
     side = [a for n, a in cache._store.items() if mx.issubdtype(a.dtype, mx.floating)]
@@ -259,7 +274,7 @@ def test_re_encode_from_another_method_in_chunks(source: str, target: str) -> No
     assert all(k.shape[-2] <= 48 for k, _ in chunks) and sum(k.shape[-2] for k, _ in chunks) == 200
 
 
-@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq"])
+@pytest.mark.parametrize("method", ["kivi", "turboquant", "rvq", *NEW_METHODS])
 def test_batches_of_two_sequences(method: str) -> None:
     keys, values = random_kv(batch=2, n_kv_heads=3, n_tokens=100, head_dim=64, seed=16)
     cache = filled(make_cache(method, 4, group_size=32, residual_window=4), keys, values)
@@ -274,7 +289,11 @@ def test_batches_of_two_sequences(method: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "bits"), [("kivi", (2, 3, 4, 8)), ("turboquant", (1, 2, 3, 4)), ("rvq", (2, 3, 4))]
+    ("method", "bits"),
+    [
+        ("kivi", (2, 3, 4, 8)), ("turboquant", (1, 2, 3, 4)), ("rvq", (2, 3, 4)), ("qjl", (1, 2, 4, 8)),
+        ("turboquant_prod", (2, 3, 4)), ("polarquant", (2, 3, 4)), ("vq", (1, 2, 3, 4)),
+    ],
 )
 def test_attention_error_decreases_with_bits(method: str, bits: tuple[int, ...]) -> None:
     keys, values = random_kv(n_kv_heads=3, n_tokens=256, head_dim=64, seed=4)
@@ -289,8 +308,12 @@ def test_attention_error_decreases_with_bits(method: str, bits: tuple[int, ...])
     # Each extra bit must buy a real gain (a broken codebook or scale stalls), and the top is accurate.
     assert all(worse > 1.25 * better for worse, better in zip(errors, errors[1:], strict=False)), errors
     # Measured (random keys and values, 9 q / 3 kv heads): kivi 8-bit 0.006, turboquant 4-bit 0.21,
-    # rvq 2+2 0.29 -- attention output error on random data is dominated by the values' error.
-    assert errors[-1] < {"kivi": 0.02, "turboquant": 0.25, "rvq": 0.35}[method], errors
+    # rvq 2+2 0.29 -- attention output error on random data is dominated by the values' error; qjl with
+    # 8·d sign bits 0.49 (sketch noise on sharp scores), turboquant_prod 4 0.27, polarquant 4 0.21, vq 4
+    # 0.21 (Gaussian data has no structure for a codebook to learn: the same as turboquant).
+    bounds = {"kivi": 0.02, "turboquant": 0.25, "rvq": 0.35, "qjl": 0.55, "turboquant_prod": 0.3, "polarquant": 0.25,
+              "vq": 0.25}
+    assert errors[-1] < bounds[method], errors
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -411,3 +434,42 @@ def test_teacher_forced_perplexity_on_real_prose(smollm) -> None:
     kl = {name: result.kl_to_reference for name, result in results.items()}
     assert kl["fp16"] == 0 < kl["kivi-4"] < kl["turboquant-4"] < kl["rvq-4"] < kl["turboquant-2"], kl
     assert kl["turboquant-2"] > 4 * kl["turboquant-4"], kl
+
+
+def test_kivi_sinks_stay_in_the_block_stream_so_blocks_align_to_positions() -> None:
+    """With 4 sinks and 64-token blocks, 4096 tokens are 64 whole blocks and no 16-bit window (the sinks'
+    stream copies are compressed too, counted, and never attended to); attention and dense export see each
+    token once, the sinks at 16 bits."""
+    config = KVCacheConfig("kivi", 4, group_size=64, sink_tokens=4)
+    kivi = get_method("kivi")
+    assert kivi.token_split(config, 4096) == (4, 4096, 0)
+    assert kivi.effective_bits_per_value(config, 64, 4096, 3) == pytest.approx(4.5 + 4 * 16 / 4096)
+    keys, values = random_kv(n_kv_heads=3, n_tokens=300, head_dim=64, seed=21)
+    cache = filled(make_cache("kivi", 4, group_size=64, sink_tokens=4), keys, values)
+    assert (cache.n_sink, cache.n_compressed, cache.n_window, cache.n_duplicated) == (4, 256, 44, 4)
+    dense_keys, dense_values = cache.to_dense()
+    assert dense_keys.shape[-2] == 300
+    assert mx.array_equal(dense_keys[..., :4, :], keys[..., :4, :].astype(mx.float16).astype(mx.float32))
+    queries = queries_for(9, 6, 64)
+    for mask in ("causal", None):
+        output = cache.attention(queries, cache, cache, 0.125, mask)
+        assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, mask)) < 2e-3
+    cache.trim(298)  # into the sinks: the stream and the sinks both keep the first 2 tokens
+    assert (cache.offset, cache.n_sink, cache.n_compressed + cache.n_window) == (2, 2, 2)
+    assert mx.array_equal(cache.to_dense()[0], dense_keys[..., :2, :])
+
+
+def test_kivi_key_block_option_halves_the_key_scale_overhead() -> None:
+    kivi = get_method("kivi")
+    config = KVCacheConfig("kivi", 4, group_size=64, options={"key_block": 128})
+    # Keys: 4 + 32/128 bits, values: 4 + 32/64 bits.
+    assert kivi.effective_bits_per_value(config, 64) == 4.375
+    keys, values = random_kv(n_kv_heads=3, n_tokens=300, head_dim=64, seed=22)
+    cache = filled(make_cache("kivi", 4, group_size=64, options={"key_block": 128}), keys, values)
+    assert (cache.n_compressed, cache.n_window) == (256, 44)
+    assert cache._store["key_scales"].shape[-1] == 256 // 128
+    assert cache.nbytes == array_bytes(cache)
+    exact = filled(make_cache("kivi", 4, group_size=64, options={"key_block": 128}), keys[..., :256, :], values[..., :256, :])
+    assert exact.nbytes == kivi.expected_nbytes(exact.config, 64, 256, 3)
+    with pytest.raises(ConfigError, match="key block"):
+        KVCacheConfig("kivi", 4, options={"key_block": 48}).validate(64)

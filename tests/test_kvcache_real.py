@@ -19,6 +19,27 @@ COMPRESSED_METHODS = [name for name in known_methods() if name not in {"fp16", "
 
 
 @pytest.fixture(scope="module")
+def vq_codebooks(real_kv, tmp_path_factory):
+    """VQ codebooks of SmolLM2 at 2 (the default) and 4 bits, calibrated on the first 1024 of the 2048 tokens."""
+    from engine.kvcache.calibration import codebooks_from_kv
+    from engine.kvcache.quant.vq import model_identity, save_codebooks
+
+    model, kv = real_kv
+    folder = tmp_path_factory.mktemp("vq")
+    calibration = [(k[..., :1024, :], v[..., :1024, :]) for k, v in kv]
+    for bits in (2, 4):
+        arrays = codebooks_from_kv(calibration, bits, iterations=10)
+        save_codebooks(folder, bits, arrays, model_identity(model, "SmolLM2"), "hadamard", 0)
+    return str(folder)
+
+
+def config_for(method: str, codebooks: str, **fields) -> KVCacheConfig:
+    """The method's config; calibrated methods (vq) get the fixture's codebooks."""
+    options = {"codebooks": codebooks} if get_method(method).needs_calibration else {}
+    return KVCacheConfig(method=method, options=options, **fields)
+
+
+@pytest.fixture(scope="module")
 def real_kv(smollm):
     """Keys and values (after RoPE) of 2048 real prose tokens, from every layer of SmolLM2."""
     model, tokenizer, _ = smollm
@@ -32,9 +53,9 @@ def real_kv(smollm):
 
 
 @pytest.mark.parametrize("method", known_methods())
-def test_bytes_held_at_2k_tokens_are_honest_and_within_the_formula(real_kv, method):
+def test_bytes_held_at_2k_tokens_are_honest_and_within_the_formula(real_kv, vq_codebooks, method):
     model, kv = real_kv
-    caches = KVCacheBuilder(KVCacheConfig(method=method)).for_model(model).build()
+    caches = KVCacheBuilder(config_for(method, vq_codebooks)).for_model(model).build()
     for cache, (keys, values) in zip(caches, kv, strict=True):
         for start in range(0, N_TOKENS, 512):
             cache.update_and_fetch(keys[..., start:start + 512, :], values[..., start:start + 512, :])
@@ -52,10 +73,10 @@ def test_bytes_held_at_2k_tokens_are_honest_and_within_the_formula(real_kv, meth
 
 
 @pytest.mark.parametrize("method", COMPRESSED_METHODS)
-def test_attention_through_4_bit_cache_stays_close_on_real_keys(real_kv, method):
+def test_attention_through_4_bit_cache_stays_close_on_real_keys(real_kv, vq_codebooks, method):
     model, kv = real_kv
     keys, values = kv[5]
-    config = KVCacheConfig(method=method, key_bits=4, value_bits=4)
+    config = config_for(method, vq_codebooks, key_bits=4, value_bits=4)
     cache = KVCacheBuilder(config).for_model(model).build()[5]
     cache.update_and_fetch(keys, values)
     queries = keys[:, :, -4:, :].astype(mx.float32)  # real key-like vectors as queries

@@ -169,8 +169,9 @@ def test_estimate_matches_a_real_cache(key: str) -> None:
 
 def test_levels_make_valid_configs() -> None:
     assert [row[0] for row in LEVEL_TABLE] == ["16", "8", "4", "3", "2"]
-    for (key, label, spec, note), level in zip(LEVEL_TABLE, LEVELS, strict=True):
-        assert (level.key, level.label, str(level.config), level.quality_note) == (key, label, spec, note)
+    for (key, label, spec, note, measured), level in zip(LEVEL_TABLE, LEVELS, strict=True):
+        assert (level.key, level.label, str(level.config), level.quality_note, level.measured) == (
+            key, label, spec, note, measured)
         assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
     assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64)

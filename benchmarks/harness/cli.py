@@ -29,6 +29,8 @@ from benchmarks.harness.common import (
     default_out_dir,
     in_checkout,
     log,
+    machine_info,
+    now,
     prose_paths,
     read_result,
     windows,
@@ -48,6 +50,23 @@ QUALITY_PARTS = ("perplexity", "needle", "agreement")
 
 # How far the fp16 reference's mean NLL may move between an earlier run and an `--add` run (nats/token).
 FP16_REFERENCE_TOLERANCE = 1e-4
+
+
+def reference_nll(rows: list[dict[str, Any]]) -> float:
+    """The fp16 reference's mean NLL of a perplexity run: its fp16 row, or else what every row's paired
+    difference implies (mean_nll - delta_nll; runs may keep no fp16 row). BenchmarkError when the run has no
+    rows, or rows that disagree on their reference (they were not measured on the same tokens)."""
+    for row in rows:
+        if row["spec"] == "fp16":
+            return float(row["mean_nll"])
+    implied = [float(row["mean_nll"]) - float(row["delta_nll"]) for row in rows if row.get("family") == "velox"]
+    if not implied:
+        raise BenchmarkError("The earlier perplexity run has no fp16 row and no Velox rows to read its reference "
+                             "from; rerun the whole sweep instead of --add.")
+    if max(implied) - min(implied) > FP16_REFERENCE_TOLERANCE:
+        raise BenchmarkError(f"The earlier perplexity run's rows imply different fp16 references "
+                             f"({min(implied):.6f} to {max(implied):.6f}); rerun the whole sweep instead of --add.")
+    return sum(implied) / len(implied)
 
 
 @dataclass
@@ -234,7 +253,12 @@ def run_quality(ctx: Context) -> dict[str, Any]:
         payload["needle"] = _quality_needle(ctx, follow_specs)
     if "agreement" in parts:
         payload["agreement"] = _quality_agreement(ctx, follow_specs)
-    payload["seconds"] = time.perf_counter() - began
+    if ctx.args.add:
+        # The file stays the earlier run's (its time, machine and load describe most rows); the added run is
+        # recorded under perplexity.additions.
+        payload.update({key: previous[key] for key in ("created", "machine", "seconds") if key in previous})
+    else:
+        payload["seconds"] = time.perf_counter() - began
     ctx.record("quality", payload)
     return payload
 
@@ -294,17 +318,21 @@ def _quality_perplexity(ctx: Context, previous_ppl: dict[str, Any] | None) -> di
         peer_note += f"; the peer's quality run failed: {failures[-1] if failures else 'unknown'}"
     if ctx.args.add:
         assert previous_ppl is not None
-        old_fp16 = next(r for r in previous_ppl["rows"] if r["spec"] == "fp16")["mean_nll"]
-        new_fp16 = next(r for r in rows if r["spec"] == "fp16")["mean_nll"]
+        old_fp16 = reference_nll(previous_ppl["rows"])
+        new_fp16 = reference_nll(rows)
         # Each row's Δ is paired with the fp16 reference of its own run; across runs the reference may move
         # by float rounding only (e.g. a faster softmax), far below any row's standard error.
         if abs(old_fp16 - new_fp16) > FP16_REFERENCE_TOLERANCE:
             raise BenchmarkError(f"The fp16 reference moved ({old_fp16} -> {new_fp16}); rerun the whole sweep.")
         # The earlier rows may name their caches in the old spec syntax: compare the caches, not the text.
+        if not any(r["spec"] == "fp16" for r in previous_ppl["rows"]):
+            rows = [r for r in rows if r["spec"] != "fp16"]  # the reference row only where the run kept one
         added = [parse_spec(r["spec"]) for r in rows]
+        addition = {"created": now(), "machine": machine_info(), "specs": [r["spec"] for r in rows]}
         rows = [r for r in previous_ppl["rows"]
                 if not any(same_cache(read_result_spec(r["spec"]), spec) for spec in added)] + rows
-        payload["perplexity"] = {**previous_ppl, "rows": rows}
+        payload["perplexity"] = {**previous_ppl, "rows": rows,
+                                 "additions": [*previous_ppl.get("additions", []), addition]}
     else:
         payload["perplexity"] = {"settings": settings, "rows": rows + peer_rows, "peer_note": peer_note}
         payload["chunking_check"] = results[0].get("chunking_check", {})

@@ -4,7 +4,9 @@
                                             says the syntax), e.g. rotated:k3v2:g32:w128, turboquant:k3v3
     mlx-q:kBvB[:gG]                         mlx-lm's own QuantizedKVCache (group 64 by default)
     mlx-kv                                  mlx-lm's own KVCache (stores the model's dtype: fp32 on Linux CPU)
-    vq:METHOD:kBvB                          the PyPI package veloxquant-mlx (run in its own venv, see peers.py)
+    vq:METHOD:kBvB                          the PyPI package veloxquant-mlx (run in its own venv, see peers.py);
+                                            Velox's own `vq` method has settings right after the colon
+                                            (vq:k2v2:codebooks=DIR), the peer a method name (vq:kivi:k4v4)
 
 Velox compressed configs get `prefill_attention=auto` unless the spec sets it (the faster prefill path of each
 device: decoded blocks on a CPU, the fused kernels on a GPU); decoding always reads the packed codes.
@@ -35,6 +37,10 @@ DEFAULT_PREFILL_ATTENTION = "auto"
 DENSE_METHODS = ("fp16", "fp32")
 # Methods whose label shows the group size (the others do not quantize in channel groups).
 _GROUPED_METHODS = ("affine", "rotated", "kivi")
+# A spec setting without '=' (bits kKvV, gG, wN, sN): what follows `vq:` in a spec of Velox's own `vq` method.
+_SETTING = re.compile(r"k\d+(?:v\d+)?|v\d+|[gws]\d+")
+# Options a label leaves out: the device's prefill choice, and paths.
+_UNLABELLED_OPTIONS = ("prefill_attention", "codebooks")
 
 # The quality sweep: every method at every bit width that is meant to be used, plus mlx-lm's cache.
 QUALITY_SPECS = (
@@ -135,6 +141,9 @@ class CacheSpec:
             label += f" w{self.residual_window}"
         if self.sink_tokens:
             label += f" s{self.sink_tokens}"
+        for name, value in sorted(self.options.items()):
+            if name not in _UNLABELLED_OPTIONS:
+                label += f" {name}={value}"
         return label
 
     @property
@@ -212,7 +221,7 @@ def parse_spec(text: str) -> CacheSpec:
         config = KVCacheConfig.parse("quantized:" + text[len(MLX_QUANTIZED_PREFIX):])
         _check_peer_config(text, config, "mlx-q:k4v4 or mlx-q:k4v4:g32")
         return CacheSpec(text, "mlx-lm", config)
-    if text.startswith(VELOXQUANT_PREFIX):
+    if _is_peer_vq(text):
         config = KVCacheConfig.parse(text[len(VELOXQUANT_PREFIX):])
         _check_peer_config(text, config, "vq:turboquant_rvq:k2v2", group_allowed=False)
         return CacheSpec(text, "veloxquant", config)
@@ -220,6 +229,14 @@ def parse_spec(text: str) -> CacheSpec:
     if get_method(config.method).attention_path != "dense" and "prefill_attention" not in config.options:
         config = replace(config, options={**config.options, "prefill_attention": DEFAULT_PREFILL_ATTENTION})
     return CacheSpec(text, "velox", config)
+
+
+def _is_peer_vq(text: str) -> bool:
+    """Whether `text` names the veloxquant-mlx peer (vq:METHOD:...) rather than Velox's `vq` (vq:SETTING:...)."""
+    if not text.startswith(VELOXQUANT_PREFIX):
+        return False
+    first = text[len(VELOXQUANT_PREFIX):].split(":")[0]
+    return not (_SETTING.fullmatch(first) or "=" in first)
 
 
 def _check_peer_config(text: str, config: KVCacheConfig, example: str, group_allowed: bool = True) -> None:
@@ -251,7 +268,7 @@ def read_legacy_spec(text: str) -> CacheSpec:
         if bits.isdigit() and (not group or group.isdigit()):
             new = f"{MLX_QUANTIZED_PREFIX}k{bits}v{bits}" + (f":g{group}" if group else "")
             return replace(parse_spec(new), text=text)
-    elif text.startswith(VELOXQUANT_PREFIX):
+    elif _is_peer_vq(text):
         method, _, bits = text[len(VELOXQUANT_PREFIX):].partition(":")
         if bits.isdigit():
             return replace(parse_spec(f"{VELOXQUANT_PREFIX}{method}:k{bits}v{bits}"), text=text)

@@ -74,6 +74,7 @@ class KVCacheBuilder:
     def for_model(self, model: Any) -> KVCacheBuilder:
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
+        get_method(self.config.method).check_model(self.config, model)
         return self
 
     def for_shape(self, shape: ModelShape) -> KVCacheBuilder:

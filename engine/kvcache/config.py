@@ -11,10 +11,20 @@ A configuration is written as one spec token without spaces (`str(config)`, read
       seed=N                     seed of the random rotations (default 0)
       rotation=NAME              rotation kind (default hadamard)
       NAME=VALUE                 a method option: true, false, null, an integer, a float (with '.' or 'e'),
-                                 a word ([A-Za-z_][A-Za-z0-9_./-]*), or '...' (percent-escaped text)
+                                 a word or path ([A-Za-z_/~.][A-Za-z0-9_./~-]*), or '...' (percent-escaped
+                                 text)
 
     fp16    kivi:k4v4:g64    rotated:k3v2:g32:w128:s4    turboquant:k3v3:g64:codebook=beta
     affine:k4v4:g64:prefill_attention=dequantize-blocks
+
+Method options in use (each method's `check_config` says which it reads):
+      key_block=N                kivi: tokens per key block (32, 64, 128; default the group size), e.g.
+                                 kivi:k4v4:g64:s4:key_block=128 (the keys' scales cost 0.25 bits, not 0.5)
+      values=NAME                qjl: the partner method that stores the values (affine), e.g.
+                                 qjl:k4v4:g64:values=affine
+      codebooks=DIR              vq: the folder `velox precompute` wrote, e.g. vq:k2v2:codebooks=/data/cb
+      kernels=auto|require|off   compressed methods: the GPU decode kernels (engine/kvcache/kernels)
+      prefill_attention=NAME     compressed methods: how several query tokens attend (fused, auto, ...)
 
 `parse(str(config)) == config` for every configuration whose option names are identifiers other than the
 field names (`seed=`, `rotation=` are the fields; `validate` requires this of every option name). `parse` checks the syntax only; `validate(head_dim)`
@@ -44,7 +54,7 @@ _BITS = re.compile(r"(?:k(-?\d+))?(?:v(-?\d+))?")
 _TAGGED_INT = re.compile(r"([gws])(-?\d+)")
 _TAGS = {"g": "group_size", "w": "residual_window", "s": "sink_tokens"}
 _OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
+_WORD = re.compile(r"[A-Za-z_/~.][A-Za-z0-9_./~-]*")  # names and paths (codebooks=/data/cb)
 _INT = re.compile(r"-?\d+")
 _FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|-?inf|nan")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None}

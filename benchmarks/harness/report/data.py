@@ -5,13 +5,13 @@ row is an app level, ...). Nothing here formats text or draws."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.common import log
-from benchmarks.harness.levels import budget_bits, eligible, level_specs
+from benchmarks.harness.levels import REFERENCE_HEAD_DIM, budget_bits, eligible, level_specs
 from benchmarks.harness.specs import CacheSpec, parse_spec, read_result_spec, same_cache
 from engine.errors import ConfigError
 from engine.kvcache import get_method
@@ -199,9 +199,9 @@ def level_matches(spec: str, level: Any) -> bool:
         return False
     if config.method in DENSE:
         return True
-    group = parsed.group_size or 64
-    return (parsed.key_bits, parsed.value_bits, group, parsed.residual_window) == (
-        config.key_bits, config.value_bits, config.group_size, config.residual_window)
+    # The whole configuration (sinks and method options too), without the harness's prefill setting.
+    built = parsed.velox_config().validate(REFERENCE_HEAD_DIM)
+    return replace(built, options={k: v for k, v in built.options.items() if k != "prefill_attention"}) == config
 
 
 def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

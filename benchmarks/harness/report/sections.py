@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.common import log, pareto_front
-from benchmarks.harness.levels import LEVEL_BUDGET_BITS, REFERENCE_HEAD_DIM, TIE_NATS, eligible, select_levels
+from benchmarks.harness.levels import (
+    LEVEL_BUDGET_BITS,
+    REFERENCE_HEAD_DIM,
+    REFERENCE_KV_HEADS,
+    REFERENCE_TOKENS,
+    TIE_NATS,
+    eligible,
+    select_levels,
+)
 from benchmarks.harness.report import formatting as f
 from benchmarks.harness.report.data import (
     BUDGET_SLACK,
@@ -143,10 +151,13 @@ def quality_table(results: Results, base: Path) -> dict[str, Any] | None:
 
 
 def _table_config(level: Any) -> str:
-    """A level as LEVEL_TABLE holds it, e.g. 'rotated K4/V4 g64' (+ ' w128' with a residual window)."""
+    """A level as LEVEL_TABLE holds it, e.g. 'rotated K4/V4 g64' (+ ' w128' with a residual window, ' s4' with
+    sink tokens, ' key_block=128' for each method option)."""
     config = level.config
     text = f"{config.method} K{config.key_bits}/V{config.value_bits} g{config.group_size}"
-    return text + (f" w{config.residual_window}" if config.residual_window else "")
+    text += f" w{config.residual_window}" if config.residual_window else ""
+    text += f" s{config.sink_tokens}" if config.sink_tokens else ""
+    return text + "".join(f" {name}={value}" for name, value in sorted(config.options.items()))
 
 
 def _levels_table(chosen: dict[str, dict[str, Any]]) -> str:
@@ -203,6 +214,7 @@ def levels(results: Results, base: Path) -> dict[str, Any] | None:
                  if level.config.method not in DENSE and chosen.get(level.key) is not None]
     return {
         "head_dim": REFERENCE_HEAD_DIM, "tie": f"{TIE_NATS:g}",
+        "budget_tokens": f"{REFERENCE_TOKENS:,}", "budget_kv_heads": REFERENCE_KV_HEADS,
         "budgets": ", ".join(f"{k}-bit ≤ {v:g}" for k, v in LEVEL_BUDGET_BITS.items()),
         "model": f.model_name(quality), "model_head_dim": quality.data.get("model", {}).get("head_dim", "?"),
         "window_tokens": f.count(rows[0].get("window_tokens")), "source": f.source_line(quality, base),

@@ -20,6 +20,11 @@ between `residual_window` and `residual_window` + G - 1 tokens (the KIVI paper's
 residual_window 0 it holds the partial newest block only). Trimming into a block moves that block's kept
 tokens back into the window, decoded (see `trim`).
 
+Option `key_block` (32, 64 or 128 tokens; default: the group size) sets the key blocks apart from the
+values' channel groups: 128-token blocks halve the keys' scale overhead (0.25 bits per value instead of 0.5).
+Sink tokens stay in the block stream too (their 16-bit originals are what attention reads; see
+`SegmentedKVCache.sinks_in_stream`), so blocks stay aligned to absolute positions.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -34,7 +39,7 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
-from engine.kvcache.base import SegmentedKVCache, _grow_to
+from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.affine import (
@@ -72,19 +77,27 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
         check_channel_groups(cls.method_name, config, head_dim, what="values in ")
-        if cls.step % config.group_size:
+        block = cls.key_block(config)
+        if block not in AFFINE_GROUP_SIZES or cls.step % block:
             raise ConfigError(
-                f"Method 'kivi' needs a group size dividing {cls.step}, not {config.group_size}."
+                f"Method 'kivi' needs a key block (group size, or option key_block) of 32, 64 or 128 tokens, "
+                f"not {block}."
             )
 
     @classmethod
+    def key_block(cls, config: KVCacheConfig) -> int:
+        """Tokens per key block (one scale and bias per channel and block): option `key_block`, else the
+        group size. Larger blocks halve the keys' scale overhead (0.25 instead of 0.5 bits at 128)."""
+        return int(config.options.get("key_block", config.group_size))
+
+    @classmethod
     def token_block_for(cls, config: KVCacheConfig) -> int:
-        return config.group_size
+        return cls.key_block(config)
 
     @classmethod
     def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
         # Keys: a scale and a bias per channel and block of G tokens = head_dim·32/G bits per token.
-        key_bits = head_dim * config.key_bits + head_dim * 2 * SCALE_BITS / config.group_size
+        key_bits = head_dim * config.key_bits + head_dim * 2 * SCALE_BITS / cls.key_block(config)
         # Values: a scale and a bias per token and group of G channels.
         value_bits = head_dim * config.value_bits + head_dim // config.group_size * 2 * SCALE_BITS
         return float(key_bits + value_bits)
@@ -96,13 +109,13 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return {
             **affine_quantize(values, "value", group_size, self.config.value_bits),
             # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
-            **affine_quantize(keys.swapaxes(-1, -2), "key", group_size, self.config.key_bits),
+            **affine_quantize(keys.swapaxes(-1, -2), "key", self.token_block, self.config.key_bits),
         }
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         group_size = self.config.group_size
         keys_transposed = affine_dequantize(
-            store, "key", group_size, self.config.key_bits, float32_scales=False
+            store, "key", self.token_block, self.config.key_bits, float32_scales=False
         )
         values = affine_dequantize(store, "value", group_size, self.config.value_bits, float32_scales=False)
         return keys_transposed.swapaxes(-1, -2), values
@@ -110,13 +123,23 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
         # queries [.., R, D] @ Kᵀ [.., D, T] with Kᵀ quantized along T: transpose=False.
         return affine_matmul(
-            queries, store, "key", self.config.group_size, self.config.key_bits, transpose=False
+            queries, store, "key", self.token_block, self.config.key_bits, transpose=False
         )
 
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         return affine_matmul(
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
         )
+
+    @classmethod
+    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
+        # The kernel reads one G for the values' channel groups and the keys' token blocks, and attends to
+        # every compressed token: it has no variant for separate key blocks or the sinks' stream copies.
+        if cls.key_block(config) != config.group_size:
+            return f"the decode kernel reads KIVI keys in blocks of the group size, not key_block={cls.key_block(config)}"
+        if cls.sinks_in_stream(config):
+            return "the decode kernel has no variant for KIVI's sink copies in the block stream"
+        return None
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
@@ -134,7 +157,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         """Length along the last axis of key array `name` for `n_tokens` tokens (a multiple of G)."""
         if name == "key_codes":
             return n_tokens * self.config.key_bits // 32
-        return n_tokens // self.config.group_size
+        return n_tokens // self.token_block
 
     def _slice_store(self, store: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
         """Tokens [start, end) of every store array; start and end are multiples of G."""
@@ -188,7 +211,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         G tokens), so its kept tokens move into the 16-bit window, decoded: attention and `to_dense` see
         exactly the values they saw before the trim; they are quantized again when the block refills."""
         trimmed = super().trim(n)
-        group_size = self.config.group_size
+        group_size = self.token_block
         partial = self._n_compressed % group_size
         if partial:
             assert self._store is not None and self.n_window == 0
@@ -217,7 +240,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         dtype = self.input_dtype
         if self.n_sink:
             yield self._sink_keys.astype(dtype), self._sink_values.astype(dtype)
-        group_size = self.config.group_size
+        yield from skip_tokens(self._iter_stream(chunk_tokens), self.n_duplicated)
+
+    def _iter_stream(self, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
+        dtype = self.input_dtype
+        group_size = self.token_block
         # Decode whole blocks at a time, then hand them out at most `chunk_tokens` tokens at once.
         span = max(group_size, chunk_tokens // group_size * group_size)
         for start in range(0, self._n_compressed, span):

@@ -1,0 +1,108 @@
+"""PolarQuant: the recursive polar transform of rotated keys and values, angles quantized per level.
+
+Each vector x of one head is rotated (the layer's randomized Hadamard rotation, as in `turboquant`), stored
+as its norm (16-bit) and the d-1 angles of the recursive polar transform of the unit vector (quant/polar.py):
+d/2 level-1 angles, uniform on [0, 2π), get b+1 bits (uniform quantizer); the d/2-1 angles of the higher
+levels, concentrated around π/4 more sharply at every level, get b-1 bits each with the Lloyd-Max codebook of
+their level's known density. That is d·b code bits per vector (one (b-1)-bit slot is padding, so the
+higher-level codes fill whole 32-bit words), the same as b-bit `turboquant`. No calibration and no per-block
+scales: after the rotation the angle laws are known in advance, which is PolarQuant's point.
+
+Reconstruction runs the transform backwards from radius 1, then multiplies by the norm. Attention decodes the
+history chunk by chunk each step, like `turboquant` (the shared `RotatedCodebookKVCache` path).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import mlx.core as mx
+
+from engine.errors import ConfigError
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.methods.turboquant import NORM_BITS, Codebook, RotatedCodebookKVCache, centroid_lookup
+from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
+from engine.kvcache.quant.codebooks import encode_scalar
+from engine.kvcache.quant.polar import (
+    angle_codebook,
+    polar_angles,
+    polar_levels,
+    polar_vector,
+    uniform_angle_codebook,
+)
+from engine.kvcache.registry import register_method
+
+
+@register_method("polarquant")
+class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
+    supported_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
+    default_bits: ClassVar[int] = 4
+    description: ClassVar[str] = (
+        "PolarQuant: recursive polar transform of the rotated vector, level-1 angles at b+1 bits (uniform), "
+        "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; dequantized per step."
+    )
+
+    @classmethod
+    def stage_bits(cls, bits: int) -> tuple[int, ...]:
+        return (bits + 1, bits - 1)  # level-1 angles, higher-level angles
+
+    @classmethod
+    def side_bits_per_vector(cls) -> int:
+        return NORM_BITS
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
+        # The rotation check of the shared bases; the unit-codebook option does not apply here.
+        super(RotatedCodebookKVCache, cls).check_config(config, head_dim)
+        try:
+            polar_levels(head_dim)
+        except ValueError:
+            raise ConfigError(
+                f"Method 'polarquant' needs a power-of-two head_dim, not {head_dim}."
+            ) from None
+        for bits in {config.key_bits, config.value_bits}:
+            for stage_bits in cls.stage_bits(bits):
+                if (head_dim // 2 * stage_bits) % 32:
+                    raise ConfigError(
+                        f"Method 'polarquant' packs head_dim/2 angles of {stage_bits} bits into 32-bit "
+                        f"words; head_dim {head_dim} does not allow it."
+                    )
+
+    @classmethod
+    def _build_codebooks(cls, config: KVCacheConfig, head_dim: int) -> dict[str, Codebook]:
+        codebooks: dict[str, Codebook] = {}
+        for role, bits in (("key", config.key_bits), ("value", config.value_bits)):
+            first_bits, higher_bits = cls.stage_bits(bits)
+            tables = [uniform_angle_codebook(first_bits)]
+            tables += [angle_codebook(level, higher_bits) for level in range(2, polar_levels(head_dim) + 1)]
+            for level, (centroids, boundaries) in enumerate(tables, start=1):
+                codebooks[f"{role}{level}"] = (mx.array(centroids), mx.array(boundaries))
+        return codebooks
+
+    def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:
+        first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+        angles, _ = polar_angles(unit)
+        cells = 1 << first_bits
+        first = mx.minimum(mx.floor(angles[0] * (cells / (2 * math.pi))), cells - 1).astype(mx.uint8)
+        higher = [
+            encode_scalar(angle, self._codebooks[f"{role}{level}"][1])
+            for level, angle in enumerate(angles[1:], start=2)
+        ]
+        padding = mx.zeros((*unit.shape[:-1], 1), dtype=mx.uint8)
+        return {
+            f"{role}_codes": pack_bits(first, first_bits),
+            f"{role}_angle_codes": pack_bits(mx.concatenate([*higher, padding], axis=-1), higher_bits),
+        }
+
+    def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
+        first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+        half = self._k_head_dim // 2
+        angles = [centroid_lookup(unpack_bits(store[f"{role}_codes"], first_bits, half), self._codebooks[f"{role}1"][0])]
+        higher = unpack_bits(store[f"{role}_angle_codes"], higher_bits, half)
+        start, size = 0, half // 2
+        for level in range(2, polar_levels(self._k_head_dim) + 1):
+            angles.append(centroid_lookup(higher[..., start : start + size], self._codebooks[f"{role}{level}"][0]))
+            start, size = start + size, size // 2
+        ones = mx.ones((*higher.shape[:-1], 1), dtype=mx.float32)
+        return polar_vector(angles, ones)

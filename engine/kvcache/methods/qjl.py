@@ -1,0 +1,154 @@
+"""QJL: keys as a 1-bit Johnson–Lindenstrauss sign sketch plus one norm; values by the `affine` partner.
+
+Each key k of one head is stored as ‖k‖ (one 16-bit float) and sign(S k), m = key_bits·head_dim sign bits,
+for a seeded m×d Gaussian sketch S held per layer (quant/sketch.py). Attention uses QJL's unbiased
+estimator of the inner product,
+
+    q·k ≈ ‖k‖ · sqrt(π/2)/m · (S q)·sign(S k),
+
+so the query is sketched once per step (S q: [R, m]) and multiplied with the ±1 signs of the history, chunk
+by chunk (the signs are unpacked to ±1 per chunk and dropped; nothing decoded is kept). key_bits is thus
+"sketch bits per key coordinate": 1 = m = d as in the paper's smallest setting, 4 = m = 4d.
+
+Values are quantized per token by the partner method named in option `values` (only "affine" so far:
+MLX group quantization, value_bits and group_size of this config) and read by `mx.quantized_matmul`.
+
+What the estimator does not give: a small error on every score. Softmax attention is sensitive to score
+errors on the few keys with large scores, which an unbiased but noisy estimate does not protect (the
+paper keeps outlier channels in 16 bit for that); the measured cost is in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import mlx.core as mx
+
+from engine.errors import ConfigError
+from engine.kvcache.base import SegmentedKVCache
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.methods.affine import (
+    AFFINE_GROUP_SIZES,
+    SCALE_BITS,
+    affine_dequantize,
+    affine_matmul,
+    affine_quantize,
+    check_channel_groups,
+)
+from engine.kvcache.methods.turboquant import DEQUANTIZE_CHUNK_TOKENS, NORM_BITS
+from engine.kvcache.quant.bitpack import MLX_AFFINE_BITS
+from engine.kvcache.quant.sketch import (
+    SIGN_ESTIMATOR_SCALE,
+    gaussian_sketch,
+    signs_as_pm_one,
+    sketch_reconstruction,
+    sketch_signs,
+)
+from engine.kvcache.registry import register_method
+
+VALUE_PARTNERS = ("affine",)
+# Sketch seeds are offset so they never coincide with a rotation seeded `seed + layer_index`.
+SKETCH_SEED_OFFSET = 1_000_003
+
+
+@register_method("qjl")
+class VeloxQJLKVCache(SegmentedKVCache):
+    # Sketch bits per key coordinate; values take MLX's affine bits (1-bit values included).
+    supported_bits: ClassVar[tuple[int, ...]] = MLX_AFFINE_BITS
+    default_bits: ClassVar[int] = 4
+    supported_group_sizes: ClassVar[tuple[int, ...] | None] = AFFINE_GROUP_SIZES
+    needs_calibration: ClassVar[bool] = False
+    attention_path: ClassVar[str] = "dequantize-per-step"
+    description: ClassVar[str] = (
+        "QJL: keys as key_bits·head_dim sign bits of a seeded Gaussian sketch plus one 16-bit norm, scored "
+        "with the unbiased sign estimator; values by the affine partner (quantized_matmul)."
+    )
+
+    @classmethod
+    def sketch_rows(cls, config: KVCacheConfig, head_dim: int) -> int:
+        return config.key_bits * head_dim
+
+    @classmethod
+    def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
+        super().check_config(config, head_dim)
+        check_channel_groups(cls.method_name, config, head_dim, what="values in ")
+        partner = config.options.get("values", "affine")
+        if partner not in VALUE_PARTNERS:
+            raise ConfigError(
+                f"Method 'qjl' stores values with {', '.join(VALUE_PARTNERS)}, not {partner!r}."
+            )
+        if cls.sketch_rows(config, head_dim) % 32:
+            raise ConfigError(
+                f"Method 'qjl' packs key_bits × head_dim sign bits into 32-bit words; "
+                f"{config.key_bits} × {head_dim} is not a multiple of 32."
+            )
+
+    @classmethod
+    def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
+        key_bits = cls.sketch_rows(config, head_dim) + NORM_BITS
+        value_bits = head_dim * config.value_bits + head_dim // config.group_size * 2 * SCALE_BITS
+        return float(key_bits + value_bits)
+
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        return cls.sketch_rows(config, head_dim) * head_dim * 2  # the float16 sketch
+
+    @classmethod
+    def layer_sketch(cls, config: KVCacheConfig, head_dim: int, layer_index: int) -> mx.array:
+        seed = config.seed + layer_index + SKETCH_SEED_OFFSET
+        return gaussian_sketch(cls.sketch_rows(config, head_dim), head_dim, seed)
+
+    def _reset_storage(self) -> None:
+        super()._reset_storage()
+        self._sketch: mx.array | None = None
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
+        self._sketch = self.layer_sketch(self.config, k_head_dim, self.layer_index)
+
+    def _constant_arrays(self) -> list[mx.array]:
+        return [] if self._sketch is None else [self._sketch]
+
+    # ----- encode / decode --------------------------------------------------------------------------------
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        keys = keys.astype(mx.float32)
+        return {
+            "key_codes": sketch_signs(keys, self._sketch),
+            "key_norms": mx.linalg.norm(keys, axis=-1, keepdims=True).astype(self._dense_dtype),
+            **affine_quantize(values, "value", self.config.group_size, self.config.value_bits),
+        }
+
+    def _decode_keys(self, store: dict[str, mx.array]) -> mx.array:
+        # The estimator's reconstruction (see quant/sketch.py): right inner products, not close to k.
+        return sketch_reconstruction(store["key_codes"], store["key_norms"], self._sketch)
+
+    def _decode_values(self, store: dict[str, mx.array]) -> mx.array:
+        return affine_dequantize(
+            store, "value", self.config.group_size, self.config.value_bits, float32_scales=True
+        )
+
+    def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
+        dtype = self._dense_dtype
+        return self._decode_keys(store).astype(dtype), self._decode_values(store).astype(dtype)
+
+    # ----- attention -----------------------------------------------------------------------------------------
+
+    def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
+        m = self._sketch.shape[0]
+        sketched = (queries.astype(mx.float32) @ self._sketch.astype(mx.float32).T) * (SIGN_ESTIMATOR_SCALE / m)  # [.., R, m]
+        n_tokens = store["key_norms"].shape[-2]
+        parts = []
+        for start in range(0, n_tokens, DEQUANTIZE_CHUNK_TOKENS):
+            end = start + DEQUANTIZE_CHUNK_TOKENS
+            signs = signs_as_pm_one(store["key_codes"][..., start:end, :], m)
+            norms = store["key_norms"][..., start:end, :].astype(mx.float32).swapaxes(-1, -2)
+            parts.append((sketched @ signs.swapaxes(-1, -2)) * norms)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
+        return affine_matmul(
+            weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
+        )

@@ -1,0 +1,109 @@
+"""TurboQuant-prod: b-1 bits of TurboQuant-MSE for each key plus a 1-bit QJL sketch of its residual.
+
+TurboQuant-MSE (`turboquant`) minimises the reconstruction error, but its inner products are biased: the
+quantized unit vector is shrunk towards the centroids, so q·k̂ underestimates large scores on average. The
+paper's "prod" variant spends one of the b bits differently: keys get (b-1)-bit Lloyd-Max codes c[codes] of
+the rotated unit vector u, and the residual r = u - c[codes] is stored as its norm ‖r‖ (16-bit) and the
+d signs of S r for a seeded d×d Gaussian sketch S (quant/sketch.py). The key's inner product is then
+
+    q·k ≈ ‖k‖ (q·c[codes] + ‖r‖ sqrt(π/2)/d (S q)·sign(S r)),
+
+unbiased for every q. It is linear in q, so decoding a key as c[codes] + ‖r‖ sqrt(π/2)/d Sᵀ sign(S r)
+gives exactly that estimate through the shared chunked attention of `RotatedCodebookKVCache`.
+
+Values keep b-bit TurboQuant-MSE codes (attention weights average values, where the MSE codebook is the
+better choice, as in the paper). Per key vector: d·b code bits and two 16-bit floats; per value: d·b bits
+and one. Compare with `turboquant` at equal bits in BENCHMARKS.md: lower bias, higher variance.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import mlx.core as mx
+
+from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.methods.turboquant import (
+    NORM_BITS,
+    Codebook,
+    RotatedCodebookKVCache,
+    VeloxTurboQuantKVCache,
+    centroid_lookup,
+)
+from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
+from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
+from engine.kvcache.quant.sketch import gaussian_sketch, sketch_reconstruction, sketch_signs
+from engine.kvcache.registry import register_method
+
+SKETCH_SEED_OFFSET = 2_000_003  # sketches never share a seed with the layer's rotation
+
+
+@register_method("turboquant_prod")
+class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
+    supported_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
+    default_bits: ClassVar[int] = 4
+    description: ClassVar[str] = (
+        "TurboQuant-prod: keys as (b-1)-bit TurboQuant-MSE codes plus a 1-bit QJL sketch of the residual "
+        "(unbiased inner products), values as b-bit TurboQuant-MSE; dequantized chunk by chunk each step."
+    )
+
+    @classmethod
+    def stage_bits(cls, bits: int) -> tuple[int, ...]:
+        # Code widths that must pack into words: the MSE stage of keys (b-1), values (b), the sketch (1).
+        return (bits - 1, bits, 1)
+
+    @classmethod
+    def stage_codebook(cls, config: KVCacheConfig, stage: int, bits: int, head_dim: int) -> Codebook:
+        return lloyd_max_codebook(cls.unit_codebook_name(config), bits, head_dim)
+
+    @classmethod
+    def _build_codebooks(cls, config: KVCacheConfig, head_dim: int) -> dict[str, Codebook]:
+        return {
+            "key0": cls.stage_codebook(config, 0, config.key_bits - 1, head_dim),
+            "value0": cls.stage_codebook(config, 0, config.value_bits, head_dim),
+        }
+
+    @classmethod
+    def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
+        key_bits = head_dim * config.key_bits + 2 * NORM_BITS  # (b-1)·d codes + d signs, norm, ‖r‖
+        value_bits = head_dim * config.value_bits + NORM_BITS
+        return float(key_bits + value_bits)
+
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        return super().constant_bytes(config, head_dim) + head_dim * head_dim * 2  # the float16 sketch
+
+    def _reset_storage(self) -> None:
+        super()._reset_storage()
+        self._sketch: mx.array | None = None
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
+        seed = self.config.seed + self.layer_index + SKETCH_SEED_OFFSET
+        self._sketch = gaussian_sketch(k_head_dim, k_head_dim, seed)
+
+    def _constant_arrays(self) -> list[mx.array]:
+        return super()._constant_arrays() + ([] if self._sketch is None else [self._sketch])
+
+    def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:
+        if role == "value":
+            return VeloxTurboQuantKVCache._encode_unit(self, unit, role)  # type: ignore[arg-type]
+        centroids, boundaries = self._codebooks["key0"]
+        codes = encode_scalar(unit, boundaries)
+        residual = unit - centroid_lookup(codes, centroids)
+        return {
+            "key_codes": pack_bits(codes, self.config.key_bits - 1),
+            "key_residual_norms": mx.linalg.norm(residual, axis=-1, keepdims=True).astype(self._dense_dtype),
+            "key_residual_signs": sketch_signs(residual, self._sketch),
+        }
+
+    def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
+        if role == "value":
+            return VeloxTurboQuantKVCache._decode_unit(self, store, role)  # type: ignore[arg-type]
+        centroids, _ = self._codebooks["key0"]
+        codes = unpack_bits(store["key_codes"], self.config.key_bits - 1, self._k_head_dim)
+        return centroid_lookup(codes, centroids) + sketch_reconstruction(
+            store["key_residual_signs"], store["key_residual_norms"], self._sketch
+        )
