@@ -44,7 +44,7 @@ DEFAULT_SPECS = (
     "affine:4:64", "rotated:4:64", "kivi:4:64", "kivi:4:32", "kivi:3:64", "kivi:2:64",
     "turboquant:4", "turboquant:3", "rvq:4", "rvq:3",
 )
-PREFILL_SPECS = ("fp16", "kivi:4:64", "affine:4:64", "turboquant:4")
+PREFILL_SPECS = ("fp16", "mlx-kv", "kivi:4:64", "affine:4:64", "turboquant:4")
 FILL_CHUNK = 4096
 PREFILL_CHUNK = 2048
 SHAPE = {
@@ -176,6 +176,85 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int) -> dict[str, Any]:
     return {"prefill_s": seconds, "prefill_tok_s": n_tokens / seconds, "decode_tok_s_after": 1 / step[1]}
 
 
+def profile_step(model: nn.Module, spec: str, context: int, repeats: int = 20) -> dict[str, Any]:
+    """Where one decode step's time goes, for one cache at one context (all times in ms).
+
+    `step`: the whole-model step (median). `build`: host time of `model(token, cache=caches)` alone, which
+    only records MLX's graph; `eval`: the rest of the step (launching and running it). `layer_update`,
+    `layer_attention`: one layer's `update_and_fetch` of one token and its attention through mlx-lm's
+    `scaled_dot_product_attention`, each evaluated alone (so launch latency included), median over
+    `repeats`; `layer_attention_batched`: the same attention `repeats` times in one evaluation, divided (GPU
+    time with the launches pipelined).
+    """
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    caches = make_caches(spec, SHAPE["layers"])
+    fill(caches, context)
+    token = mx.array([[128]], dtype=mx.int32)
+    builds, evals, steps = [], [], []
+    for step in range(repeats + 3):
+        mx.synchronize()
+        began = time.perf_counter()
+        logits = model(token, cache=caches)
+        built = time.perf_counter()
+        mx.eval(logits)
+        mx.synchronize()
+        done = time.perf_counter()
+        if step >= 3:
+            builds.append(built - began)
+            evals.append(done - built)
+            steps.append(done - began)
+    cache = caches[0]
+    shape_q = (1, SHAPE["heads"], 1, SHAPE["head_dim"])
+    shape_kv = (1, SHAPE["kv_heads"], 1, SHAPE["head_dim"])
+    queries = mx.random.normal(shape_q).astype(mx.bfloat16)
+    keys = mx.random.normal(shape_kv).astype(mx.bfloat16)
+    values = mx.random.normal(shape_kv).astype(mx.bfloat16)
+    mx.eval(queries, keys, values)
+    scale = SHAPE["head_dim"] ** -0.5
+    updates, attends = [], []
+    for _ in range(repeats):
+        mx.synchronize()
+        began = time.perf_counter()
+        k, v = cache.update_and_fetch(keys, values)
+        mx.eval(k, v) if isinstance(k, mx.array) else mx.eval(cache.state)
+        mx.synchronize()
+        updated = time.perf_counter()
+        out = scaled_dot_product_attention(queries, k, v, cache=cache, scale=scale, mask=None)
+        mx.eval(out)
+        mx.synchronize()
+        updates.append(updated - began)
+        attends.append(time.perf_counter() - updated)
+    k, v = cache.update_and_fetch(keys, values)
+    outs = [scaled_dot_product_attention(queries * (1 + i / 64), k, v, cache=cache, scale=scale, mask=None)
+            for i in range(repeats)]
+    mx.eval(queries)
+    mx.synchronize()
+    began = time.perf_counter()
+    mx.eval(outs)
+    mx.synchronize()
+    batched = (time.perf_counter() - began) / repeats
+    del caches, outs
+    gc.collect()
+    mx.clear_cache()
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2] * 1000
+
+    return {
+        "spec": spec, "context": context, "step": median(steps), "build": median(builds), "eval": median(evals),
+        "layer_update": median(updates), "layer_attention": median(attends), "layer_attention_batched": batched * 1000,
+    }
+
+
+def _loadavg() -> str:
+    """The machine's load average (Linux), recorded beside the timings."""
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def _error_text(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
@@ -190,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prefill", type=int, default=0, help="also time a chunked prefill of this many tokens")
     parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS))
+    parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
@@ -206,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout.strip()
     except Exception as error:  # not an NVIDIA machine
         record["gpu"] = f"unknown ({type(error).__name__})"
+    record["loadavg_start"] = _loadavg()
     bandwidth = read_bandwidth()
     record["read_bytes_per_second"] = bandwidth
     model = build_model()
@@ -214,6 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB", flush=True)
 
     out = Path(args.out)
+    if args.profile:
+        profile_specs, _, profile_context = args.profile.partition("@")
+        profiles = []
+        for spec in profile_specs.split(","):
+            try:
+                profiles.append(profile_step(model, spec, int(profile_context or 32769)))
+            except Exception as error:
+                profiles.append({"spec": spec, "error": _error_text(error)})
+            print("profile " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                        for k, v in profiles[-1].items()), flush=True)
+        record["profile"] = profiles
+        out.write_text(json.dumps({**record, "rows": []}, indent=1) + "\n")
     rows: list[dict[str, Any]] = []
     reference: dict[int, float] = {}
     for spec in specs:
@@ -245,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             mx.clear_cache()
             rows.append(row)
             out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
+    record["loadavg_end"] = _loadavg()
+    out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
     if args.prefill:
         prefill_rows = []
         for spec in [s.strip() for s in args.prefill_specs.split(",") if s.strip()]:

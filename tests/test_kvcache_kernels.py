@@ -73,7 +73,7 @@ def test_every_kernel_assembles_for_both_backends(source: KernelSource, backend:
         assert "simd_shuffle_xor" in header and "threadgroup_barrier" in header
         assert "__syncthreads" not in header + body and "__device__" not in header + body
     # Every macro the body uses is defined by the header or the defines.
-    used = set(re.findall(r"\b(LOAD_KEY|LOAD_VALUE|LANE_XOR|BARRIER|EXP|FMAX|SHARED|GLOBAL|THREAD|U32|U64)\b", body))
+    used = set(re.findall(r"\b(LOAD_KEY|LOAD_VALUE|LANE_XOR|BARRIER|EXP|FMAX|SHARED|GLOBAL|THREAD|U32|U64|U2F)\b", body))
     for macro in used:
         assert f"#define {macro}" in header + body, macro
     assert names_are_distinct(source.input_names + source.output_names)
@@ -129,8 +129,7 @@ def _cuda_unit(source: KernelSource, inputs: dict[str, mx.Dtype], outputs: dict[
 
 
 def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
-    dtypes = {"qry": mx.bfloat16, "qscale": mx.float32, "n_sink_r": mx.uint8, "n_comp_r": mx.uint8,
-              "n_win_r": mx.uint8}
+    dtypes = {"qry": mx.bfloat16, "qscale": mx.float32, "n_comp_r": mx.uint8}
     dtypes |= {n: mx.bfloat16 for n in ("sink_k", "sink_v", "win_k", "win_v")}
     for prefix, codec in (("k", key), ("v", value)):
         kinds = {
@@ -154,7 +153,8 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         source = attend_source(key, value)
         units.append(_cuda_unit(source, _attend_dtypes(key, value),
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64}))
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "CT": 64, "U": 2, "NS": 4, "HW": 1,
+                                 "TD": mx.bfloat16}))
     for stages in (1, 2):
         names = encode_source(stages).input_names + encode_source(stages).output_names
         dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,

@@ -304,6 +304,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         self._window_values: mx.array | None = None
         self._store: dict[str, mx.array] | None = None
         self._n_compressed = 0
+        # (store, config, rows, device, DecodePlan or None) of the last decode step (see `_decode_plan`).
+        self._plan_cache: tuple[Any, ...] | None = None
 
     # mlx-lm's scaled_dot_product_attention sends caches with `bits` to the hooked quantized path.
     @property
@@ -596,14 +598,14 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         Query heads are grouped onto their kv head by a free reshape to [B, n_kv, repeats*L, D]
         (as mlx-lm's quantized SDPA does), so keys and values are never repeated in memory.
         """
+        if queries.shape[2] == 1 and not isinstance(mask, mx.array):
+            # One new token with no mask (or mlx-lm's "causal", which masks nothing for it): the fused kernel.
+            plan = self._decode_plan(queries.shape[1] // self._n_kv_heads)
+            if plan is not None:
+                return self._kernel_attention(plan, queries, scale)
         batch, n_query_heads, n_queries, _ = queries.shape
         n_kv = self._n_kv_heads
         repeats = n_query_heads // n_kv
-        if n_queries == 1 and not isinstance(mask, mx.array):
-            # One new token with no mask (or mlx-lm's "causal", which masks nothing for it): the fused kernel.
-            backend = self._decode_kernel_backend()
-            if backend is not None:
-                return self._kernel_attention(queries, scale, backend)
         grouped = (self._queries_in(queries) * scale).reshape(batch, n_kv, repeats * n_queries, -1)
         compute_dtype = grouped.dtype
 
@@ -679,6 +681,11 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
+        if _kernels.decode.tile_tokens(codecs[0], self.config.group_size, self._k_head_dim) is None:
+            return (
+                f"the decode kernel has no tile for group size {self.config.group_size} "
+                f"at head_dim {self._k_head_dim}"
+            )
         return None
 
     def _decode_kernel_backend(self) -> str | None:
@@ -693,29 +700,47 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return None
         return _kernels.resolve_backend(mode, reason)
 
-    def _kernel_attention(self, queries: mx.array, scale: float, backend: str) -> mx.array:
+    def _decode_plan(self, rows: int) -> _kernels.DecodePlan | None:
+        """The decode kernel's plan, or None for the reference path; rebuilt only when the compressed
+        buffers, the config or the default device change (a decode step then does no Python set-up work
+        beyond the launch: per layer and token, that host time is a visible part of a GPU decode step)."""
+        device = mx.default_device()
+        cached = self._plan_cache
+        if (
+            cached is not None
+            and cached[0] is self._store
+            and cached[1] is self.config
+            and cached[2] == rows
+            and cached[3] == device
+        ):
+            return cached[4]
+        backend = self._decode_kernel_backend()
+        plan = None
+        if backend is not None:
+            codecs = self._kernel_codecs()
+            assert codecs is not None
+            key_codec, key_arrays, value_codec, value_arrays = codecs
+            plan = _kernels.plan_decode(
+                key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
+                self._k_head_dim, rows, backend,
+            )
+        if self._store is not None:  # "nothing compressed yet" is rechecked until something is
+            self._plan_cache = (self._store, self.config, rows, device, plan)
+        return plan
+
+    def _kernel_attention(self, plan: _kernels.DecodePlan, queries: mx.array, scale: float) -> mx.array:
         """`attention` of one new token per sequence through the fused decode kernel (see kernels/decode.py)."""
-        batch, n_query_heads, _, head_dim = queries.shape
-        n_kv = self._n_kv_heads
-        grouped = self._queries_in(queries).reshape(batch, n_kv, n_query_heads // n_kv, head_dim)
-        codecs = self._kernel_codecs()
-        assert codecs is not None
-        key_codec, key_arrays, value_codec, value_arrays = codecs
         output = _kernels.decode_attention(
-            grouped,
+            plan,
+            self._queries_in(queries),
+            self._n_kv_heads,
             scale,
             (self._sink_keys, self._sink_values) if self.n_sink else None,
             (self._window_keys, self._window_values) if self.n_window else None,
             self._n_compressed,
-            key_codec,
-            key_arrays,
-            value_codec,
-            value_arrays,
-            group_size=self.config.group_size,
-            backend=backend,
         )
-        output = output.reshape(batch, n_query_heads, 1, head_dim)
-        return self._output_out(output).astype(queries.dtype)
+        output = self._output_out(output)
+        return output if output.dtype == queries.dtype else output.astype(queries.dtype)
 
     # ----- state and dense export ---------------------------------------------------------------------------
 

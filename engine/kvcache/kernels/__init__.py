@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from engine.errors import ConfigError
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, assemble, available_backend
-from engine.kvcache.kernels.decode import Codec, decode_attention
+from engine.kvcache.kernels.decode import Codec, DecodePlan, decode_attention, plan_decode
 
 KERNEL_MODES = ("auto", "require", "off")
 DEFAULT_KERNEL_MODE = "auto"
@@ -69,10 +69,12 @@ __all__ = [
     "DEFAULT_KERNEL_MODE",
     "KERNEL_MODES",
     "Codec",
+    "DecodePlan",
     "KernelSource",
     "assemble",
     "available_backend",
     "check_kernel_mode",
     "decode_attention",
+    "plan_decode",
     "resolve_backend",
 ]

@@ -47,6 +47,8 @@ MIN_SPLIT_TOKENS = 128
 # keep memory busy on smaller GPUs too).
 TARGET_GROUPS = 1024
 MAX_SPLITS = 256
+# Tokens each subgroup has in flight per iteration (template U).
+UNROLL = 2
 
 # How 8 consecutive channels [lane*8, lane*8 + 8) of compressed token `c` are read into float `out[8]`,
 # with `mul` the per-token factor (a norm) that multiplies the score or the softmax weight. `P` is the
@@ -57,36 +59,62 @@ _CODEC_MACROS = {
     "affine": """
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
-  unpack8({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, out); \\
+  U32 c_[8]; \\
+  unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
   const long g_ = row_ * {P}1_shape[3] + (lane * 8) / G; \\
   const float s_ = (float){P}1[g_]; \\
   const float b_ = (float){P}2[g_]; \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = s_ * out[i_] + b_; \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = s_ * U2F(c_[i_]) + b_; \\
   mul = 1.0f; }}
 """,
-    # KIVI keys: per channel, over blocks of G tokens, stored transposed: codes [B,H,D,cap·bits/32],
-    # scales and biases [B,H,D,cap/G]. Each of the 8 channels is its own row; neighbouring subgroups read
-    # the neighbouring tokens of the same words, so the words come from DRAM once.
+    # KIVI keys: per channel, over blocks of G tokens, stored transposed: codes [B,H,D,cap·bits/32], scales
+    # and biases [B,H,D,cap/G]. Read channel-major straight from device memory, each lane's 8 channels
+    # are 8 rows and 24 scattered loads a token, so they are staged instead (STAGE_KEYS, once per tile of CT
+    # tokens, CT <= G so one scale per channel): the tile's codes, token-major as bytes in shared memory
+    # (coalesced: a warp reads whole 32-byte row segments), and q·s per channel and Σ q·b per row (the
+    # keys' scales and biases folded into the query: q·x = Σ (q·s)·code + Σ q·b). LOAD_KEY then reads a
+    # token's 8 codes as two shared words.
     "kivi_keys": """
+#define KEY_STAGED 1
+#define QSLOTS 2
+#define KC_WORDS (CT * D / 4)
+#define STAGE_KEYS(tile_c) {{ \\
+  const int g_ = (tile_c) / G; \\
+  for (int i_ = TID; i_ < R * D; i_ += NT) \\
+    sh_q[R * D + i_] = sh_q[i_] * (float){P}1[((long)bh * D + i_ % D) * {P}1_shape[3] + g_]; \\
+  for (int r_ = TID / 32; r_ < R; r_ += NT / 32) {{ \\
+    float acc_ = 0.0f; \\
+    for (int d_ = TID % 32; d_ < D; d_ += 32) \\
+      acc_ += sh_q[r_ * D + d_] * (float){P}2[((long)bh * D + d_) * {P}2_shape[3] + g_]; \\
+    for (int st_ = 16; st_ > 0; st_ >>= 1) acc_ += LANE_XOR(acc_, st_); \\
+    if (TID % 32 == 0) sh_q[2 * R * D + r_] = acc_; }} \\
+  _Pragma("unroll 1") \\
+  for (int i_ = TID; i_ < (D / 4) * (CT / 8); i_ += NT) {{ \\
+    const int o_ = i_ % (CT / 8); \\
+    const int d4_ = i_ / (CT / 8); \\
+    U64 x_[4]; \\
+    for (int j_ = 0; j_ < 4; ++j_) \\
+      x_[j_] = bits8({P}0 + ((long)bh * D + d4_ * 4 + j_) * {P}0_shape[3], (tile_c) + 8 * o_, {BITS}); \\
+    for (int t_ = 0; t_ < 8; ++t_) {{ \\
+      U32 w_ = 0u; \\
+      for (int j_ = 0; j_ < 4; ++j_) w_ |= (((U32)(x_[j_] >> (t_ * {BITS}))) & ((1u << {BITS}) - 1u)) << (8 * j_); \\
+      sh_kc[(8 * o_ + t_) * (D / 4) + d4_] = w_; }} }} }}
 #define LOAD_{ROLE}(c, out, mul) {{ \\
-  const int bit_ = (c) * {BITS}; \\
-  const int w_ = bit_ >> 5; \\
-  const int sh_ = bit_ & 31; \\
-  for (int i_ = 0; i_ < 8; ++i_) {{ \\
-    const long d_ = (long)bh * D + lane * 8 + i_; \\
-    const GLOBAL U32* row_ = {P}0 + d_ * {P}0_shape[3]; \\
-    U32 v_ = row_[w_] >> sh_; \\
-    if (sh_ + {BITS} > 32) v_ |= row_[w_ + 1] << (32 - sh_); \\
-    const long g_ = d_ * {P}1_shape[3] + (c) / G; \\
-    out[i_] = (float){P}1[g_] * (float)(v_ & ((1u << {BITS}) - 1u)) + (float){P}2[g_]; }} \\
+  const int at_ = (((c) - c_begin) % CT) * (D / 4) + lane * 2; \\
+  const U32 a_ = sh_kc[at_]; \\
+  const U32 b_ = sh_kc[at_ + 1]; \\
+  for (int i_ = 0; i_ < 4; ++i_) {{ \\
+    out[i_] = U2F((a_ >> (8 * i_)) & 255u); \\
+    out[4 + i_] = U2F((b_ >> (8 * i_)) & 255u); }} \\
   mul = 1.0f; }}
 """,
     # TurboQuant: codes [B,H,cap,D·bits/32] of a rotated unit vector, norms [B,H,cap,1], centroids [>=8].
     "codebook": """
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
-  unpack8({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, out); \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[(int)out[i_]]; \\
+  U32 c_[8]; \\
+  unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]]; \\
   mul = (float){P}1[row_]; }}
 """,
     # RVQ: first-stage codes, norms, first table, residual codes, residual scales [B,H,cap,1], second table:
@@ -94,11 +122,12 @@ _CODEC_MACROS = {
     "rvq": """
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
-  float r_[8]; \\
-  unpack8({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, out); \\
-  unpack8({P}3 + row_ * {P}3_shape[3], lane * 8, {BITS2}, r_); \\
+  U32 c_[8]; \\
+  U32 r_[8]; \\
+  unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
+  unpack8u({P}3 + row_ * {P}3_shape[3], lane * 8, {BITS2}, r_); \\
   const float rs_ = (float){P}4[row_]; \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[(int)out[i_]] + rs_ * {P}5[(int)r_[i_]]; \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]] + rs_ * {P}5[r_[i_]]; \\
   mul = (float){P}1[row_]; }}
 """,
 }
@@ -107,37 +136,59 @@ _CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6}
 _HEADER = """
 // Codes [first, first + 8) of a row packed as a little-endian bit stream of `bits`-bit codes (MLX's affine
 // packing, also Velox's pack_bits): at most two 32-bit words, since first·bits is a multiple of 8 and
-// 8·bits <= 64 for every width but 7.
-INLINE void unpack8(const GLOBAL U32* row, int first, int bits, THREAD float* out) {
+// 8·bits <= 64 for every width but 7. 32-bit shifts where the 8 codes sit in one word (4 bits and less,
+// lane-aligned): 64-bit shifts and conversions cost several instructions each.
+INLINE void unpack8u(const GLOBAL U32* row, int first, int bits, THREAD U32* out) {
+  const int bit = first * bits;
+  const int w = bit >> 5;
+  const int sh = bit & 31;
+  const U32 mask = (1u << bits) - 1u;
+  if (sh + 8 * bits <= 32) {
+    const U32 x = row[w] >> sh;
+    for (int i = 0; i < 8; ++i) out[i] = (x >> (i * bits)) & mask;
+  } else {
+    const U64 x = (((U64)row[w]) | (((U64)row[w + 1]) << 32)) >> sh;
+    for (int i = 0; i < 8; ++i) out[i] = ((U32)(x >> (i * bits))) & mask;
+  }
+}
+
+// The 8·bits bits of codes [first, first + 8), shifted down to bit 0 (bits of later codes above them).
+INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
   const int bit = first * bits;
   const int w = bit >> 5;
   const int sh = bit & 31;
   U64 x = (U64)row[w];
   if (sh + 8 * bits > 32) x |= ((U64)row[w + 1]) << 32;
-  x >>= sh;
-  const U64 mask = (((U64)1) << bits) - 1;
-  for (int i = 0; i < 8; ++i) out[i] = (float)((x >> (i * bits)) & mask);
+  return x >> sh;
 }
 """
 
-# The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group).
+# The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group),
+# CT (tokens per tile of the compressed range), NS (sink tokens), HW (1 if a window is passed), U (tokens
+# per subgroup in flight).
 _ATTEND_BODY = """
   constexpr int TPT = D / 8;          // lanes per token
-  constexpr int NSG = NT / TPT;       // tokens in flight per threadgroup
+  constexpr int NSG = NT / TPT;       // subgroups: tokens in flight per threadgroup and unrolled step
+  constexpr int ITER = U * NSG;       // tokens per iteration of the threadgroup
   const int lane = TID % TPT;
   const int sg = TID / TPT;
   const int bh = GROUP_Y;
-  const int n_sink = n_sink_r_shape[0] - 1;
   const int n_comp = n_comp_r_shape[0] - 1;
-  const int n_win = n_win_r_shape[0] - 1;
-  const int n_total = n_sink + n_comp + n_win;
-  const int per_split = (n_total + GROUPS_X - 1) / GROUPS_X;
-  const int t_begin = GROUP_X * per_split;
-  const int t_end = (t_begin + per_split < n_total) ? t_begin + per_split : n_total;
+  const int n_win = HW ? (int)win_k_shape[2] : 0;
+  // This split's share: whole tiles of CT compressed tokens (tile starts stay aligned, which the staged
+  // KIVI keys need), and the last split also takes the 16-bit tokens (sinks, then the window).
+  const int n_tiles = (n_comp + CT - 1) / CT;
+  const int tiles_per_split = (n_tiles + GROUPS_X - 1) / GROUPS_X;
+  const int c_begin = GROUP_X * tiles_per_split * CT;
+  const int c_end = (c_begin + tiles_per_split * CT < n_comp) ? c_begin + tiles_per_split * CT : n_comp;
+  const int c_span = (c_end > c_begin) ? ((c_end - c_begin + ITER - 1) / ITER) * ITER : 0;
+  const int d_count = (GROUP_X == GROUPS_X - 1) ? NS + n_win : 0;
+  const int v_end = c_span + d_count;
 
-  // The R query rows of this kv head, scaled, in shared memory (read as broadcasts; keeping them in
-  // registers cost 32 more registers a thread and halved the threadgroups a multiprocessor holds).
-  SHARED float sh_q[R * D];
+  // The R query rows of this kv head, scaled, in shared memory (read as broadcasts). Staged methods keep
+  // a second, per-tile copy multiplied by their per-channel scales, and per row the bias term Σ q·b.
+  SHARED float sh_q[QSLOTS * R * D + R];
+  SHARED U32 sh_kc[KC_WORDS];
   const float scale = qscale[0];
   for (int i = TID; i < R * D; i += NT) sh_q[i] = scale * (float)qry[(long)bh * R * D + i];
   float m_run[R];
@@ -149,65 +200,82 @@ _ATTEND_BODY = """
     l_run[r] = 0.0f;
   }
   BARRIER();
-  const long sink_base = (long)bh * sink_k_shape[2] * D + lane * 8;
-  const long win_base = (long)bh * win_k_shape[2] * D + lane * 8;
 
-  // Each subgroup takes UNROLL tokens per iteration and issues all their loads before any arithmetic,
-  // so more bytes are in flight per thread (decode attention is bound by memory latency x parallelism).
-  // Every thread runs the same number of iterations (t_begin/t_end are per threadgroup), so the lane
-  // shuffles below are reached by whole warps / simdgroups.
-  constexpr int UNROLL = 2;
-  for (int base = t_begin; base < t_end; base += UNROLL * NSG) {
-    float kx[UNROLL][8];
-    float vx[UNROLL][8];
-    float kmul[UNROLL];
-    float vmul[UNROLL];
-    bool valid[UNROLL];
+  // Each subgroup takes U tokens per iteration and issues all their loads before any arithmetic, so more
+  // bytes are in flight per thread. Every thread runs the same iterations (the bounds are per
+  // threadgroup), so barriers and lane shuffles are reached by whole threadgroups and warps.
+  for (int base = 0; base < v_end; base += ITER) {
+    const bool comp = base < c_span;
+#if KEY_STAGED
+    if (comp && base % CT == 0) {
+      BARRIER();
+      STAGE_KEYS(c_begin + base);
+      BARRIER();
+    }
+    const int qoff = comp ? R * D : 0;
+#else
+    const int qoff = 0;
+#endif
+    float kx[U][8];
+    float vx[U][8];
+    float kmul[U];
+    float vmul[U];
+    bool valid[U];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int t = base + u * NSG + sg;
-      valid[u] = t < t_end;
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * NSG + sg;
       kmul[u] = 1.0f;
       vmul[u] = 1.0f;
+      if (comp) {
+        const int c = c_begin + v;
+        valid[u] = c < c_end;
+        if (valid[u]) {
+          LOAD_KEY(c, kx[u], kmul[u]);
+          LOAD_VALUE(c, vx[u], vmul[u]);
+        }
+      } else {
+        const int d = v - c_span;
+        valid[u] = d < d_count;
+        if (valid[u]) {
+          const long off = (d < NS) ? ((long)bh * NS + d) * D : ((long)bh * n_win + (d - NS)) * D;
+          const GLOBAL TD* kp = (d < NS) ? sink_k + off : win_k + off;
+          const GLOBAL TD* vp = (d < NS) ? sink_v + off : win_v + off;
+          for (int i = 0; i < 8; ++i) { kx[u][i] = (float)kp[lane * 8 + i]; vx[u][i] = (float)vp[lane * 8 + i]; }
+        }
+      }
       if (!valid[u]) {
         for (int i = 0; i < 8; ++i) { kx[u][i] = 0.0f; vx[u][i] = 0.0f; }
-      } else if (t < n_sink) {
-        const long off = sink_base + (long)t * D;
-        for (int i = 0; i < 8; ++i) { kx[u][i] = (float)sink_k[off + i]; vx[u][i] = (float)sink_v[off + i]; }
-      } else if (t < n_sink + n_comp) {
-        const int c = t - n_sink;
-        LOAD_KEY(c, kx[u], kmul[u]);
-        LOAD_VALUE(c, vx[u], vmul[u]);
-      } else {
-        const long off = win_base + (long)(t - n_sink - n_comp) * D;
-        for (int i = 0; i < 8; ++i) { kx[u][i] = (float)win_k[off + i]; vx[u][i] = (float)win_v[off + i]; }
       }
     }
-    // Scores of the UNROLL tokens first, then one rescale of the running output per row for all of them
-    // (not one per token) and one exp per token and row.
+    // Scores of the U tokens first, then one rescale of the running output per row for all of them (not
+    // one per token) and one exp per token and row.
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      float s[UNROLL];
+      float s[U];
       float m_new = m_run[r];
+      const float qb = (qoff != 0) ? sh_q[2 * R * D + r] : 0.0f;
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
+      for (int u = 0; u < U; ++u) {
         float part = 0.0f;
-        for (int i = 0; i < 8; ++i) part += sh_q[r * D + lane * 8 + i] * kx[u][i];
+        for (int i = 0; i < 8; ++i) part += sh_q[qoff + r * D + lane * 8 + i] * kx[u][i];
         for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
-        s[u] = valid[u] ? part * kmul[u] : -1e30f;
+        s[u] = valid[u] ? (part + qb) * kmul[u] : -1e30f;
         m_new = FMAX(m_new, s[u]);
       }
-      const float corr = EXP(m_run[r] - m_new);
-      l_run[r] *= corr;
-      for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
+      // Rescale only when the running max grows (rarely, once past the first tokens): the same sums.
+      if (m_new > m_run[r]) {
+        const float corr = EXP(m_run[r] - m_new);
+        l_run[r] *= corr;
+        for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
+        m_run[r] = m_new;
+      }
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
+      for (int u = 0; u < U; ++u) {
         const float p = valid[u] ? EXP(s[u] - m_new) : 0.0f;
         l_run[r] += p;
         const float pv = p * vmul[u];
         for (int i = 0; i < 8; ++i) o_acc[r][i] += pv * vx[u][i];
       }
-      m_run[r] = m_new;
     }
   }
 
@@ -291,27 +359,31 @@ class Codec:
 
     @property
     def supported(self) -> bool:
-        """Code widths `unpack8` reads in at most two words (all but 7 bits; 1-8 bits)."""
+        """Code widths `unpack8u` reads in at most two words (all but 7 bits; 1-8 bits)."""
         widths = (self.bits, self.bits2) if self.kind == "rvq" else (self.bits,)
         return all(1 <= b <= 8 and b != 7 for b in widths)
+
+
+_UNSTAGED_KEYS = "#define KEY_STAGED 0\n#define QSLOTS 1\n#define KC_WORDS 1\n"
 
 
 @functools.cache
 def attend_source(key: Codec, value: Codec) -> KernelSource:
     """The attention pass for one (key codec, value codec) pair: the shared body with the two macros."""
     inputs = (
-        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_sink_r", "n_comp_r", "n_win_r",
+        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
         *(f"k{i}" for i in range(key.slots)),
         *(f"v{i}" for i in range(value.slots)),
     )
     name = f"velox_decode_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}"
+    staged = "" if key.kind == "kivi_keys" else _UNSTAGED_KEYS
     return KernelSource(
         name=name,
         input_names=inputs,
         output_names=("part_m", "part_l", "part_o"),
         body=_ATTEND_BODY,
         header=_HEADER,
-        defines=key.macro("KEY") + value.macro("VALUE"),
+        defines=staged + key.macro("KEY") + value.macro("VALUE"),
     )
 
 
@@ -326,11 +398,33 @@ def group_supported(group_size: int) -> bool:
     return group_size % 8 == 0
 
 
-def split_count(n_tokens: int, n_rows: int) -> int:
-    """Splits of the token axis: enough threadgroups to fill the GPU, at least MIN_SPLIT_TOKENS each."""
-    by_tokens = max(1, math.ceil(n_tokens / MIN_SPLIT_TOKENS))
+def threads_for(head_dim: int) -> int:
+    """Threads per threadgroup of the attention pass."""
+    return max(THREADS, head_dim)
+
+
+def tile_tokens(key: Codec, group_size: int, head_dim: int) -> int | None:
+    """CT: compressed tokens per tile (splits are whole tiles); None where no tile fits the layout.
+
+    A tile must hold whole iterations (UNROLL tokens per subgroup); staged KIVI keys also need a tile
+    inside one block of G tokens (one scale per channel) and of at most 64 tokens (shared memory).
+    """
+    per_iteration = UNROLL * threads_for(head_dim) // (head_dim // 8)
+    tile = min(group_size, 64) if key.kind == "kivi_keys" else 64
+    if tile % per_iteration or tile % 8:
+        return None
+    return tile
+
+
+def split_count(n_compressed: int, n_rows: int, tile: int) -> int:
+    """Splits of the compressed tokens: enough threadgroups to fill the GPU, at least MIN_SPLIT_TOKENS
+    each, whole tiles each, and no split left empty."""
+    tiles = max(1, math.ceil(n_compressed / tile))
+    by_tokens = max(1, math.ceil(n_compressed / MIN_SPLIT_TOKENS))
     by_groups = max(1, TARGET_GROUPS // max(1, n_rows))
-    return max(1, min(by_tokens, by_groups, MAX_SPLITS))
+    wanted = max(1, min(tiles, by_tokens, by_groups, MAX_SPLITS))
+    per_split = math.ceil(tiles / wanted)
+    return math.ceil(tiles / per_split)
 
 
 _SCALES: dict[float, mx.array] = {}
@@ -346,7 +440,7 @@ def _scale_array(scale: float) -> mx.array:
 
 
 def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
-    """Stands in for an empty sink or window (never read: its count is 0); one per dtype and head_dim."""
+    """Stands in for an absent sink or window (never read: NS = 0 or HW = 0); one per dtype and head_dim."""
     key = (head_dim, str(dtype))
     array = _DUMMIES.get(key)
     if array is None:
@@ -354,59 +448,87 @@ def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
     return array
 
 
-def decode_attention(
-    queries: mx.array,
-    scale: float,
-    sink: tuple[mx.array, mx.array] | None,
-    window: tuple[mx.array, mx.array] | None,
-    n_compressed: int,
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a cache's decode steps launch, fixed while its compressed buffers stay the same arrays: the
+    two kernels, the compressed arrays in codec order, and the launch's constant template arguments.
+    Building it once per buffer growth keeps the per-step host work to the launch itself."""
+
+    attend: object
+    merge: object
+    arrays: tuple[mx.array, ...]
+    template: tuple[tuple[str, object], ...]
+    tile: int
+    threads: int
+
+
+def plan_decode(
     key_codec: Codec,
     key_arrays: list[mx.array],
     value_codec: Codec,
     value_arrays: list[mx.array],
     group_size: int,
+    head_dim: int,
+    rows: int,
     backend: str,
-    out_dtype: mx.Dtype | None = None,
-) -> mx.array:
-    """Attention of grouped queries [B, n_kv, R, D] over sink + compressed + window; returns [B, n_kv, R, D].
+) -> DecodePlan:
+    """The DecodePlan of one cache (the caller checked `tile_tokens` is not None)."""
+    tile = tile_tokens(key_codec, group_size, head_dim)
+    assert tile is not None
+    threads = threads_for(head_dim)
+    template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size), ("CT", tile), ("U", UNROLL))
+    return DecodePlan(
+        attend=kernel(attend_source(key_codec, value_codec), backend),
+        merge=kernel(MERGE_SOURCE, backend),
+        arrays=(*key_arrays, *value_arrays),
+        template=template,
+        tile=tile,
+        threads=threads,
+    )
 
+
+def decode_attention(
+    plan: DecodePlan,
+    queries: mx.array,
+    n_kv: int,
+    scale: float,
+    sink: tuple[mx.array, mx.array] | None,
+    window: tuple[mx.array, mx.array] | None,
+    n_compressed: int,
+) -> mx.array:
+    """Attention of one query token per sequence over sink + compressed + window.
+
+    `queries` [B, n_q_heads, 1, D] (query head h attends with kv head h // (n_q_heads / n_kv), so the rows
+    of one kv head are consecutive: no reshape is needed); returns the same shape and dtype.
     `sink`/`window` are 16-bit (keys, values) [B, n_kv, n, D] holding exactly their tokens; the compressed
-    arrays are the cache's whole buffers (capacity >= n_compressed tokens: only the first n_compressed are
-    read, and passing the buffers rather than views of them avoids a copy of the history per step).
-    `group_size` is the config's: channels per scale of affine codes, tokens per scale of KIVI keys.
+    arrays in the plan are the cache's whole buffers (capacity >= n_compressed tokens: only the first
+    n_compressed are read, and passing the buffers rather than views avoids a copy of the history a step).
     """
-    batch, n_kv, rows, head_dim = queries.shape
+    batch, n_heads, _, head_dim = queries.shape
+    rows = n_heads // n_kv
     present = sink if sink is not None else window
     dense = mx.bfloat16 if present is None else present[0].dtype
-    n_sink = 0 if sink is None else sink[0].shape[-2]
-    n_win = 0 if window is None else window[0].shape[-2]
     sink_k, sink_v = sink if sink is not None else (_dummy(head_dim, dense), _dummy(head_dim, dense))
     win_k, win_v = window if window is not None else (_dummy(head_dim, dense), _dummy(head_dim, dense))
-    n_total = n_sink + n_compressed + n_win
+    n_sink = 0 if sink is None else sink[0].shape[-2]
     bh = batch * n_kv
-    splits = split_count(n_total, bh)
-    threads = max(THREADS, head_dim)
-    out_dtype = out_dtype or queries.dtype
+    splits = split_count(n_compressed, bh, plan.tile)
+    threads = plan.threads
 
-    attend = kernel(attend_source(key_codec, value_codec), backend)
-    part_m, part_l, part_o = attend(
-        inputs=[
-            queries, _scale_array(scale), sink_k, sink_v, win_k, win_v,
-            RULER(n_sink), RULER(n_compressed), RULER(n_win), *key_arrays, *value_arrays,
-        ],
-        template=[("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size)],
+    part_m, part_l, part_o = plan.attend(
+        inputs=[queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays],
+        template=[*plan.template, ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    merge = kernel(MERGE_SOURCE, backend)
-    (out,) = merge(
+    (out,) = plan.merge(
         inputs=[part_m, part_l, part_o],
-        template=[("D", head_dim), ("R", rows), ("TO", out_dtype)],
+        template=[("D", head_dim), ("R", rows), ("TO", queries.dtype)],
         grid=(bh * rows * head_dim, 1, 1),
         threadgroup=(head_dim, 1, 1),
-        output_shapes=[(batch, n_kv, rows, head_dim)],
-        output_dtypes=[out_dtype],
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
     )
     return out
