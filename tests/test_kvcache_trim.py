@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from engine.kvcache import KVCacheConfig, get_method, known_methods
 from engine.kvcache.trim import reuse_trim_length, trim_for_reuse
-from tests.kvcache_helpers import filled, random_kv
+from tests.kvcache_helpers import filled, random_kv, tiny_vq_codebooks
 
 N_TOKENS = 300
 CHUNK = 37  # uneven chunks, as prefill and decoding feed them
@@ -53,6 +53,9 @@ def _assert_same_cache(actual, expected) -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trim_for_reuse_then_extend_equals_an_untrimmed_cache(name: str, cut: int) -> None:
     config = CONFIGS[name]
+    if config.method == "vq":  # calibrated codebooks are part of a vq config; made once, on first use
+        config = KVCacheConfig(config.method, residual_window=config.residual_window, sink_tokens=config.sink_tokens,
+                               options={"codebooks": tiny_vq_codebooks(2)})
     keys, values = random_kv(n_tokens=N_TOKENS, head_dim=64, seed=1)
     untrimmed = filled(get_method(config.method)(config), keys, values, chunk=CHUNK)
     cache = filled(get_method(config.method)(config), keys, values, chunk=CHUNK)
@@ -65,7 +68,7 @@ def test_trim_for_reuse_then_extend_equals_an_untrimmed_cache(name: str, cut: in
 def test_only_kivi_widens_and_only_to_the_start_of_the_cut_key_block() -> None:
     keys, values = random_kv(n_tokens=N_TOKENS, head_dim=64, seed=2)
     for method in known_methods():
-        config = KVCacheConfig(method)
+        config = KVCacheConfig(method, options={"codebooks": tiny_vq_codebooks(2)} if method == "vq" else {})
         cache = filled(get_method(method)(config), keys, values, chunk=CHUNK)
         lengths = [reuse_trim_length([cache], cut) for cut in (0, 1, 44, 45, 100, 300, 400)]
         if method != "kivi":
