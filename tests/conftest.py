@@ -14,15 +14,17 @@ os.environ.setdefault("VELOX_LOG_DIR", tempfile.mkdtemp(prefix="velox-test-logs-
 import pytest  # noqa: E402
 
 import engine  # noqa: E402, F401  (importing it prepares the CPU fast path before any test loads MLX)
-from engine.paths import models_dir  # noqa: E402
+from engine.paths import data_dir, models_dir  # noqa: E402
 
 # `velox chat` and the app save conversations and their KV caches in the data folder: the tests (and the
-# commands they start) get a folder of their own, which shares the user's converted models through a link,
-# so no test writes into the user's conversations and the embedded model is not converted again.
+# commands they start) get a folder of their own, which shares the user's converted models and the verified
+# GGUF download through links (made before they exist, on a fresh machine), so no test writes into the user's
+# conversations and the embedded model is fetched and converted once.
 if "VELOX_DATA_DIR" not in os.environ:
-    _shared_models = models_dir()
     _test_data = tempfile.mkdtemp(prefix="velox-test-data-")
-    os.symlink(_shared_models, os.path.join(_test_data, "models"), target_is_directory=True)
+    for _shared in (models_dir(), data_dir() / "downloads"):
+        _shared.mkdir(parents=True, exist_ok=True)
+        os.symlink(_shared, os.path.join(_test_data, _shared.name), target_is_directory=True)
     os.environ["VELOX_DATA_DIR"] = _test_data
 
 
