@@ -17,6 +17,7 @@ through the single dispatch hook in `attention.py`.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -699,6 +700,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             # Nothing compressed to read: the reference path is a plain 16-bit attention (also under "require").
             return None
         return _kernels.resolve_backend(mode, reason)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedKVCache:
+        """A copy holding the same tokens (mlx-lm's server copies prompt caches before extending them). The
+        decode kernel's cached plan is left out: it refers to the device and to this cache's own arrays, and
+        the copy builds its own on its first decode step."""
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            setattr(clone, name, None if name == "_plan_cache" else copy.deepcopy(value, memo))
+        return clone
 
     def _decode_plan(self, rows: int) -> _kernels.DecodePlan | None:
         """The decode kernel's plan, or None for the reference path; rebuilt only when the compressed
