@@ -132,6 +132,8 @@ def test_attach_document_shows_fit_verdicts_reads_it_and_the_answer_uses_it(make
 
     controller.send("When is the launch?")
     wait_idle(qtbot, controller)
+    # The view is drawn from the controller's signals; on a loaded machine the last ones may still be queued.
+    qtbot.waitUntil(lambda: len(window.messages.bubbles) == 2, timeout=WAIT_MS)
     assert window.messages.bubbles[0].documents_row.count() > 0
     stats = controller.entries[-1].stats
     # The document read beforehand was reused from the cache, not read again ...
