@@ -220,12 +220,18 @@ def test_model_logits_with_compressed_caches_track_the_uncompressed_model() -> N
     assert errors[8] < errors[4] < errors[2]
 
 
-@pytest.mark.parametrize("method", ["affine", "rotated"])
-def test_dequantize_blocks_prefill_matches_the_fused_path(method: str, monkeypatch) -> None:
-    monkeypatch.setattr(kv_base, "DEQUANTIZE_BLOCK_TOKENS", 32)  # several blocks, a partial last one
+@pytest.mark.parametrize("whole_history", [False, True], ids=["key-blocks", "whole-history"])
+@pytest.mark.parametrize("method", ["affine", "rotated", "kivi", "turboquant"])
+def test_dequantize_blocks_prefill_matches_the_fused_path(method: str, whole_history: bool, monkeypatch) -> None:
+    monkeypatch.setattr(kv_base, "DEQUANTIZE_BLOCK_TOKENS", 64)  # several blocks, a partial last one
+    # On the CPU fast path a chunk attends over the whole decoded history at once, up to a byte cap.
+    monkeypatch.setattr(kv_base, "DENSE_HISTORY_MAX_BYTES", 1 << 30 if whole_history else 0)
+    assert not whole_history or kv_base.cpu_attention.active(), "the CPU fast path is off: nothing tested"
     keys, values = random_kv(n_kv_heads=2, n_tokens=150, head_dim=64, seed=12)
     segments = {"sink_tokens": 4, "residual_window": 8}
-    fused = filled(make_cache(method, 4, 3, group_size=64, **segments), keys, values)
+    fused = filled(
+        make_cache(method, 4, 3, group_size=64, options={"prefill_attention": "fused"}, **segments), keys, values
+    )
     blocked = filled(
         make_cache(
             method, 4, 3, group_size=64, options={"prefill_attention": "dequantize-blocks"}, **segments

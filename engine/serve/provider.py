@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
@@ -26,7 +25,6 @@ from mlx_lm.server import ModelProvider
 from engine.chat.session import _default_cache_factory
 from engine.errors import ModelError
 from engine.kvcache import KVCacheBuilder
-from engine.kvcache.registry import get_method
 from engine.kvcache.trim import trim_for_reuse
 from engine.models.catalog import load_model, resolve_model
 
@@ -39,14 +37,9 @@ DEFAULT_MODEL_NAMES = ("default", "default_model")
 def serving_cache_factory(config: Any | None) -> CacheFactory:
     """Per-layer caches for `config` (a KVCacheConfig), or for None the chat session's uncompressed default
     (mlx-lm's KVCache; on the Linux CPU fast path the float32 Velox cache, which attends faster there).
-
-    Compressed methods prefill through `prefill_attention="auto"` unless the config says otherwise: the
-    faster prefill path of the device (decoded blocks on a CPU, the packed codes on Metal). It changes how
-    prefill chunks attend, not what is stored, and single-token decoding always reads the packed codes."""
+    Compressed caches prefill the device's fastest way (their `prefill_attention` option defaults to "auto")."""
     if config is None:
         return _default_cache_factory
-    if get_method(config.method).attention_path != "dense" and "prefill_attention" not in config.options:
-        config = replace(config, options={**config.options, "prefill_attention": "auto"})
 
     def build(model: Any) -> list[Any]:
         return KVCacheBuilder(config).for_model(model).build()

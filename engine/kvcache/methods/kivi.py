@@ -120,6 +120,20 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         values = affine_dequantize(store, "value", group_size, self.config.value_bits, float32_scales=False)
         return keys_transposed.swapaxes(-1, -2), values
 
+    # Attention's dequantize path (prefill chunks) computes in float32: float32 scales make `mx.dequantize`
+    # ~7x faster on the CPU (its float16 arithmetic is scalar there; measured 14 -> 2 ms for 7.9k tokens x 3
+    # heads x 64 channels), and the keys come out as Kᵀ, the layout the score matmul wants.
+    def _decode_keys(self, store: dict[str, mx.array]) -> mx.array:
+        keys_transposed = affine_dequantize(
+            store, "key", self.token_block, self.config.key_bits, float32_scales=True
+        )
+        return keys_transposed.swapaxes(-1, -2)
+
+    def _decode_values(self, store: dict[str, mx.array]) -> mx.array:
+        return affine_dequantize(
+            store, "value", self.config.group_size, self.config.value_bits, float32_scales=True
+        )
+
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
         # queries [.., R, D] @ Kᵀ [.., D, T] with Kᵀ quantized along T: transpose=False.
         return affine_matmul(
