@@ -145,15 +145,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
         )
 
-    @classmethod
-    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
-        # The kernel reads one G for the values' channel groups and the keys' token blocks, and attends to
-        # every compressed token: it has no variant for separate key blocks or the sinks' stream copies.
-        if cls.key_block(config) != config.group_size:
-            return f"the decode kernel reads KIVI keys in blocks of the group size, not key_block={cls.key_block(config)}"
-        if cls.sinks_in_stream(config):
-            return "the decode kernel has no variant for KIVI's sink copies in the block stream"
-        return None
+    def _kernel_key_block(self) -> int:
+        return self.key_block(self.config)
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
