@@ -726,3 +726,63 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert 0 < rows["kivi:4:64"]["held_bytes"] < fp16_bytes / 2  # 4-bit codes and their scales
     failed = rows["kivi:9:64"]
     assert failed["context"] == 257 and failed["error"].startswith("ConfigError: ") and "tok_s" not in failed
+
+
+def _decode_record(rows: list[dict]) -> dict:
+    shape = {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256, "mlp": 512, "vocab": 512,
+             "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16"}
+    return {"kind": "decode", "device": "Device(cpu, 0)", "gpu": "unknown (FileNotFoundError)", "mlx": "0.32.4",
+            "shape": shape, "steps": 2, "warmup": 1, "rows": rows}
+
+
+def test_plot_decode_draws_one_series_per_spec(tmp_path: Path) -> None:
+    """benchmarks/plot_decode.py: valid SVG, one series per spec (a failed one too), bar heights in proportion to
+    tok/s, the memory bound only where the rows carry it."""
+    import xml.etree.ElementTree as ET
+
+    from benchmarks import plot_decode
+
+    rows = [
+        {"spec": "fp16", "context": 257, "tok_s": 90.0, "vs_fp16": 1.0, "bound_tok_s": 900.0},
+        {"spec": "fp16", "context": 1025, "tok_s": 60.0, "vs_fp16": 1.0, "bound_tok_s": 600.0},
+        {"spec": "kivi:4:64", "context": 257, "tok_s": 45.0, "vs_fp16": 0.5, "bound_tok_s": 1000.0},
+        {"spec": "kivi:4:64", "context": 1025, "tok_s": 30.0, "vs_fp16": 0.5, "bound_tok_s": 800.0},
+        {"spec": "mlx-q:4", "context": 257, "error": "RuntimeError: no kernel"},
+        {"spec": "mlx-q:4", "context": 1025, "error": "RuntimeError: no kernel"},
+    ]
+    source = tmp_path / "decode.json"
+    source.write_text(json.dumps(_decode_record(rows)))
+    out = tmp_path / "figure.svg"
+    assert plot_decode.main(["--rows", str(source), "--out", str(out)]) == 0
+    ns = "{http://www.w3.org/2000/svg}"
+    svg = ET.parse(out).getroot()
+    assert svg.tag == f"{ns}svg"
+    series = {g.get("data-spec"): g for g in svg.iter(f"{ns}g") if g.get("class") == "series"}
+    assert list(series) == ["fp16", "kivi:4:64", "mlx-q:4"]
+    texts = "".join(t.text or "" for t in svg.iter(f"{ns}text"))
+    assert "Whole-model decode, Device(cpu, 0), 2-layer model, 4-bit weights" in texts
+    assert "failed at every context (RuntimeError)" in texts
+
+    def bars(spec: str) -> list[float]:  # bar heights per context: the tok/s panel's, then the bound panel's
+        return [float(r.get("height")) for r in series[spec].iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+
+    fp16, kivi = bars("fp16"), bars("kivi:4:64")
+    assert len(fp16) == len(kivi) == 4 and bars("mlx-q:4") == []
+    assert kivi[0] / fp16[0] == pytest.approx(0.5, abs=0.01) and fp16[2] / fp16[0] == pytest.approx(60 / 90, abs=0.01)
+    assert kivi[1] / fp16[1] == pytest.approx(0.045 / 0.1, abs=0.01)  # shares of the bound: 4.5 % against 10 %
+    assert any(line.get("class") == "bound" for line in svg.iter(f"{ns}line"))
+
+    for row in rows:
+        row.pop("bound_tok_s", None)
+    svg = ET.fromstring(plot_decode.render_svg(_decode_record(rows), "decode.json", title="T"))
+    assert not any(line.get("class") == "bound" for line in svg.iter(f"{ns}line"))
+    assert len([r for r in svg.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]) == 4  # top panel only
+
+
+def test_committed_decode_figure_is_what_plot_decode_draws() -> None:
+    from benchmarks import plot_decode
+
+    record = json.loads(plot_decode.DEFAULT_ROWS.read_text())
+    expected = plot_decode.render_svg(record, "benchmarks/results/decode-h200.json")
+    assert plot_decode.DEFAULT_OUT.read_text(encoding="utf-8") == expected, (
+        "docs/figures/decode-h200.svg is stale: run `python benchmarks/plot_decode.py`")
