@@ -18,8 +18,8 @@ every byte once at that bandwidth would reach. With --prefill N, a chunked prefi
 
 Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
-kivi:4:64, turboquant:3, affine:4:64+w128+s4, kivi:4:64+s4+kb128 with KIVI's key block of 128 tokens) and
-`...@off` for a Velox method with kernels off. Rows:
+kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
+kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off. Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, or `error` where it failed.
 
 `--shape tiny` swaps the 8B shape for a 2-layer llama (4 query / 2 kv heads, head_dim 64) and a 64 MiB
@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,9 +123,20 @@ def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list
         parts = spec[len("mlx-q:"):].split(":")
         bits, group = int(parts[0]), int(parts[1]) if len(parts) > 1 else 64
         return [QuantizedKVCache(group_size=group, bits=bits) for _ in range(n_layers)]
+    from engine.errors import ConfigError
     from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 
     text, _, mode = spec.partition("@")
+    model_shape = ModelShape(n_layers=n_layers, n_heads=shape["heads"], n_kv_heads=shape["kv_heads"],
+                             head_dim=shape["head_dim"])
+    try:  # the project's one spec syntax (KVCacheConfig.parse), e.g. kivi:k4v4:g64:s4:key_block=128
+        config = KVCacheConfig.parse(text)
+    except ConfigError:
+        config = None  # this script's older form, below
+    if config is not None:
+        if config.method not in ("fp16", "fp32"):
+            config = replace(config, options={**config.options, "kernels": mode or "auto", "prefill_attention": "auto"})
+        return KVCacheBuilder(config).for_shape(model_shape).build()
     head, *extras = text.split("+")
     method, *rest = head.split(":")
     fields: dict[str, Any] = {"method": method}
@@ -132,16 +144,10 @@ def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list
         fields["key_bits"] = int(rest[0])
     if len(rest) > 1:
         fields["group_size"] = int(rest[1])
-    options: dict[str, Any] = {}
     for extra in extras:
-        if extra.startswith("kb"):
-            options["key_block"] = int(extra[2:])
-        else:
-            fields["residual_window" if extra[0] == "w" else "sink_tokens"] = int(extra[1:])
+        fields["residual_window" if extra[0] == "w" else "sink_tokens"] = int(extra[1:])
     if method not in ("fp16", "fp32"):
-        fields["options"] = {**options, "kernels": mode or "auto", "prefill_attention": "auto"}
-    model_shape = ModelShape(n_layers=n_layers, n_heads=shape["heads"], n_kv_heads=shape["kv_heads"],
-                             head_dim=shape["head_dim"])
+        fields["options"] = {"kernels": mode or "auto", "prefill_attention": "auto"}
     return KVCacheBuilder(KVCacheConfig(**fields)).for_shape(model_shape).build()
 
 

@@ -600,13 +600,14 @@ def test_level_rule_budgets_eligibility_and_ties() -> None:
         _row("turboquant:k3v3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
         _row("rotated:k3v2:g32", 0.29), _row("kivi:k3v3:g64", 0.2),
         _row("mlx-q:k2v2", 0.0),  # not a Velox method
-        # fused and within 4.5 / 3.5 bits, but the GPU decode kernel declines them (key_block, sinks in stream)
+        # KIVI's own key blocks and sinks (the decode kernel reads both); at 3 bits a tie: the smaller wins
         _row("kivi:k4v4:g64:s4:key_block=128", 0.02), _row("kivi:k3v3:g64:key_block=128", 0.1),
         _row("kivi:k3v3:g64:s4", 0.1),
     ]
     chosen = {key: value["row"]["spec"] for key, value in select_levels(rows).items()}
     # nothing fused fits 2.5 bits
-    assert chosen == {"8": "affine:k8v8:g64", "4": "affine:k4v4:g64", "3": "kivi:k3v3:g64"}
+    assert chosen == {
+        "8": "affine:k8v8:g64", "4": "kivi:k4v4:g64:s4:key_block=128", "3": "kivi:k3v3:g64:key_block=128"}
 
 
 def test_level_budgets_are_counted_where_the_app_counts_them() -> None:

@@ -12,9 +12,8 @@ to attend with wins (no rotation before attention), then the smaller one.
 Only methods whose decoding reads the packed codes directly (`attention_path == "fused"`) are eligible: the
 `dequantize-per-step` methods (turboquant, rvq) decoded 3-4x slower than fp16 on the CPU at 1-2k tokens
 and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving the slider would feel. For the
-same reason a configuration the GPU decode kernel declines (`kernel_declines`: KIVI with key_block other than
-the group size, or with sink tokens kept in its block stream) is not eligible: on a GPU it decodes without the
-kernel.
+same reason a configuration the GPU decode kernel declines (`kernel_declines`; none today: it reads KIVI's own
+key blocks and skips its sinks' stream copies) is not eligible: on a GPU it would decode without the kernel.
 """
 
 from __future__ import annotations
