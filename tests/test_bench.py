@@ -229,7 +229,7 @@ def test_level_specs_follow_the_level_table() -> None:
     assert len(specs) == len(compressed)
     for text, level in zip(specs, compressed, strict=True):
         spec = parse_spec(text)
-        assert spec.config == replace(level.config, options={"prefill_attention": "auto"})
+        assert spec.config == replace(level.config, options={**level.config.options, "prefill_attention": "auto"})
 
 
 # ----- quality bookkeeping ------------------------------------------------------------------------------------
