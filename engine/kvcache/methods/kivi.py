@@ -239,7 +239,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         compressed_cut = n - self.n_window
         if compressed_cut <= 0 or compressed_cut >= self._n_compressed:
             return n  # only window tokens go, or every compressed block (sinks are kept token by token)
-        return n + (self._n_compressed - compressed_cut) % self.config.group_size
+        return n + (self._n_compressed - compressed_cut) % self.token_block
 
     def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
         if chunk_tokens <= 0:
