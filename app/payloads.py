@@ -55,14 +55,23 @@ class LevelSummary:
     value_bits: int
     group_size: int
     quality_note: str
+    extras: str = ""  # what the level keeps besides its codes, e.g. "4 sink tokens in 16 bits"
 
     @classmethod
     def from_level(cls, level: Any) -> LevelSummary:
         """From an engine CompressionLevel; the one place the app reads a level's fields."""
         config = level.config
+        extras = []
+        if config.sink_tokens:
+            extras.append(f"{config.sink_tokens} sink tokens in 16 bits")
+        if config.residual_window:
+            extras.append(f"last {config.residual_window} tokens in 16 bits")
+        if "key_block" in config.options:
+            extras.append(f"keys in blocks of {config.options['key_block']} tokens")
         return cls(key=str(level.key), label=str(level.label), method=str(config.method),
                    key_bits=int(config.key_bits), value_bits=int(config.value_bits),
-                   group_size=int(config.group_size), quality_note=str(level.quality_note))
+                   group_size=int(config.group_size), quality_note=str(level.quality_note),
+                   extras=", ".join(extras))
 
 
 @dataclass(frozen=True)

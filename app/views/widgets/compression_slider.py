@@ -180,8 +180,9 @@ class CompressionSlider(QWidget):
         else:
             bits = (f"K{level.key_bits}/V{level.value_bits}" if level.key_bits != level.value_bits
                     else f"{level.key_bits}-bit")
+            extras = f", {level.extras}" if level.extras else ""
             self.description.setText(f"<b>{level.label}</b> — {level.method} {bits}, groups of "
-                                     f"{level.group_size} · {level.quality_note}")
+                                     f"{level.group_size}{extras} · {level.quality_note}")
         self._fill_methods(level)
 
     def _fill_methods(self, level: LevelSummary) -> None:

@@ -60,6 +60,9 @@ class MemoryPanel(QWidget):
             caption = QLabel(name)
             caption.setObjectName("caption")
             value.setObjectName("caption")
+            # Wrap rather than widen: the inspector has a fixed width, and one long line (the saved caches'
+            # "… on disk · all … of …") made the whole panel wider than it, clipping every gauge on the right.
+            value.setWordWrap(True)
             facts.addWidget(caption, row, 0)
             facts.addWidget(value, row, 1)
         facts.setColumnStretch(1, 1)
