@@ -38,8 +38,10 @@ from engine.planning.units import format_bytes
 #
 # THIS TABLE FOLLOWS THE COMMITTED BENCHMARK OUTPUT: `benchmarks.harness.levels.select_levels` picks each level
 # from benchmarks/results/quality.json (the configuration with the lowest mean KL(fp16 || cache) within the
-# level's budget of effective bits, among methods that attend on the packed codes directly), and
-# tests/test_bench.py fails when this table and that choice disagree. BENCHMARKS.md shows the candidates.
+# level's budget of effective bits, among methods that attend on the packed codes directly, and among those
+# that keep needle recall and greedy agreement with fp16 in the committed needle/agreement run where any
+# does), and tests/test_bench.py fails when this table and that choice disagree. BENCHMARKS.md shows the
+# candidates and which levels miss the needle targets.
 # Rows run from the highest precision to the lowest; `recommend` relies on that order.
 #
 # The cache of each level is one KV cache spec (`KVCacheConfig.parse`, engine/kvcache/config.py); the last
