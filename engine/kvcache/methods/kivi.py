@@ -25,6 +25,13 @@ values' channel groups: 128-token blocks halve the keys' scale overhead (0.25 bi
 Sink tokens stay in the block stream too (their 16-bit originals are what attention reads; see
 `SegmentedKVCache.sinks_in_stream`), so blocks stay aligned to absolute positions.
 
+Option `rotate_values` (true/false; default false) stores each value rotated by the layer's seeded rotation
+(`rotation`, randomized Hadamard by default; layer i seeded `seed + i`) before its per-token groups are
+quantized, and rotates the attention output back (Σ p_i v_i = Rᵀ Σ p_i (R v_i)): a value channel with large
+magnitude no longer widens its whole group's scale. Keys and queries are untouched (a rotation would smear the
+outlier channels that the keys' per-channel scales exist for), so the decode kernel reads the same codes and
+the rotation back is one small matmul on its output. The rotation's signs are per-layer constants, counted.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -42,6 +49,7 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -51,6 +59,7 @@ from engine.kvcache.methods.affine import (
     affine_quantize,
     check_channel_groups,
 )
+from engine.kvcache.quant.rotation import Rotation, make_rotation
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
@@ -69,6 +78,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         "partial block stays 16-bit; attention reads the packed codes with quantized_matmul."
     )
 
+    # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
+    _value_rotation: Rotation | None = None
+
     @property
     def token_block(self) -> int:  # type: ignore[override]
         return self.token_block_for(self.config)
@@ -77,6 +89,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
         check_channel_groups(cls.method_name, config, head_dim, what="values in ")
+        if not isinstance(config.options.get("rotate_values", False), bool):
+            raise ConfigError("Method 'kivi' takes rotate_values=true or rotate_values=false.")
+        if cls.rotates_values(config) and config.rotation not in ROTATION_KINDS:
+            raise ConfigError(
+                f"Unknown rotation {config.rotation!r} for method 'kivi'; use {' or '.join(ROTATION_KINDS)}."
+            )
         block = cls.key_block(config)
         if block not in AFFINE_GROUP_SIZES or cls.step % block:
             raise ConfigError(
@@ -93,6 +111,37 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     @classmethod
     def token_block_for(cls, config: KVCacheConfig) -> int:
         return cls.key_block(config)
+
+    @classmethod
+    def rotates_values(cls, config: KVCacheConfig) -> bool:
+        return bool(config.options.get("rotate_values", False))
+
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        if not cls.rotates_values(config):
+            return 0
+        rotation = make_rotation(head_dim, config.seed, config.rotation)
+        return sum(array.nbytes for array in rotation_arrays(rotation))
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
+        if self.rotates_values(self.config):
+            self._value_rotation = make_rotation(v_head_dim, self.config.seed + self.layer_index, self.config.rotation)
+
+    def _constant_arrays(self) -> list[mx.array]:
+        return [] if self._value_rotation is None else rotation_arrays(self._value_rotation)
+
+    # Values live rotated in the cache (sinks and window too), so attention's output is in the rotated space.
+    def _values_in(self, values: mx.array) -> mx.array:
+        return values if self._value_rotation is None else self._value_rotation.forward(values)
+
+    def _output_out(self, output: mx.array) -> mx.array:
+        return output if self._value_rotation is None else self._value_rotation.inverse(output)
+
+    def _values_out(self, values: mx.array) -> mx.array:
+        return values if self._value_rotation is None else self._value_rotation.inverse(values)
 
     @classmethod
     def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
@@ -253,7 +302,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             raise ValueError("chunk_tokens must be positive.")
         dtype = self.input_dtype
         if self.n_sink:
-            yield self._sink_keys.astype(dtype), self._sink_values.astype(dtype)
+            yield self._sink_keys.astype(dtype), self._values_out(self._sink_values).astype(dtype)
         yield from skip_tokens(self._iter_stream(chunk_tokens), self.n_duplicated)
 
     def _iter_stream(self, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
@@ -268,7 +317,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             for piece in range(0, end - start, chunk_tokens):
                 yield (
                     keys[..., piece : piece + chunk_tokens, :].astype(dtype),
-                    values[..., piece : piece + chunk_tokens, :].astype(dtype),
+                    self._values_out(values[..., piece : piece + chunk_tokens, :]).astype(dtype),
                 )
         if self.n_window:
-            yield self._window_keys.astype(dtype), self._window_values.astype(dtype)
+            yield self._window_keys.astype(dtype), self._values_out(self._window_values).astype(dtype)
