@@ -735,3 +735,17 @@ def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
         reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.7, 0.0)])
     committed = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality.json").read_text())
     assert 3 < reference_nll(committed["perplexity"]["rows"]) < 5
+
+
+def test_needle_grid_is_sized_from_the_command_line() -> None:
+    """`--needle-seeds 4 --needle-lengths 1024,4096` give 40 trials per cache (4 seeds x 5 depths x 2 lengths)."""
+    import argparse
+
+    from benchmarks.harness.cli import Context, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = Context(parser.parse_args(["quality", "--needle-seeds", "4", "--needle-lengths", "1024,4096"])).plan
+    assert plan.needle_seeds == (0, 1, 2, 3) and plan.needle_lengths == (1024, 4096)
+    assert len(plan.needle_seeds) * len(plan.needle_depths) * len(plan.needle_lengths) == 40
+    assert Context(parser.parse_args(["quality"])).plan.needle_seeds == (0, 1)
