@@ -503,3 +503,23 @@ def test_kivi_rotate_values_spreads_a_value_outlier_channel_and_counts_its_signs
     assert kivi.kernel_declines(KVCacheConfig("kivi", 4, group_size=64, options={"rotate_values": True})) is None
     with pytest.raises(ConfigError, match="rotate_values"):
         KVCacheConfig("kivi", 4, options={"rotate_values": 1}).validate(64)
+
+
+def test_kivi_plain_value_rotation_holds_nothing_and_keeps_the_bits_of_kivi() -> None:
+    """rotate_values=plain (H/√d, no signs) spreads the outlier like the randomized one, holds no constant, so
+    kivi:k4v4:g64 keeps exactly 4.5 bits at d=128 and the decode kernel still takes it."""
+    kivi = get_method("kivi")
+    config = KVCacheConfig.parse("kivi:k4v4:g64:rotate_values=plain")
+    assert kivi.effective_bits_per_value(config, 128, 4096, 8) == 4.5 and kivi.kernel_declines(config) is None
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=23)
+    values = values * mx.where(mx.arange(64) == 5, 30.0, 1.0)
+    plain = filled(make_cache("kivi", 3, group_size=64, options={}), keys, values)
+    cache = filled(make_cache("kivi", 3, group_size=64, options={"rotate_values": "plain"}), keys, values)
+    assert cache.nbytes == plain.nbytes == array_bytes(cache)
+    dense_keys, dense_values = cache.to_dense()
+    assert relative_error(dense_values, values) < 0.7 * relative_error(plain.to_dense()[1], values)
+    queries = queries_for(4, 5, 64)
+    output = cache.attention(queries, cache, cache, 0.125, "causal")
+    assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, "causal")) < 2e-3
+    with pytest.raises(ConfigError, match="2\\^k"):
+        KVCacheConfig("kivi", 4, group_size=32, options={"rotate_values": "plain"}).validate(160)  # 20·2^3

@@ -30,7 +30,11 @@ Option `rotate_values` (true/false; default false) stores each value rotated by 
 quantized, and rotates the attention output back (Σ p_i v_i = Rᵀ Σ p_i (R v_i)): a value channel with large
 magnitude no longer widens its whole group's scale. Keys and queries are untouched (a rotation would smear the
 outlier channels that the keys' per-channel scales exist for), so the decode kernel reads the same codes and
-the rotation back is one small matmul on its output. The rotation's signs are per-layer constants, counted.
+the rotation back is one small transform of its output. The rotation's signs are per-layer constants, counted.
+`rotate_values=plain` uses the plain Walsh-Hadamard transform H/√d instead (no random signs: nothing is held,
+so the cache keeps the bits of plain KIVI; it needs head_dim = 2^k or 12·2^k, where H is symmetric and so its own
+inverse). A few outlier channels are spread alike either way; the signs only guard against inputs aligned with
+H's rows.
 
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
@@ -59,11 +63,26 @@ from engine.kvcache.methods.affine import (
     affine_quantize,
     check_channel_groups,
 )
-from engine.kvcache.quant.rotation import Rotation, make_rotation
+from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
 KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+
+
+class PlainHadamard:
+    """H/√d on the last axis, without random signs: orthonormal and, for d = 2^k or 12·2^k, symmetric, so it is
+    its own inverse. It holds no arrays (float32 out, as `Rotation`)."""
+
+    def __init__(self, dim: int) -> None:
+        if not hadamard_supported(dim) or dim % 20 == 0 or dim % 28 == 0:
+            raise ConfigError(f"rotate_values=plain needs head_dim 2^k or 12·2^k, not {dim}.")
+        self.dim = dim
+
+    def forward(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(self.dim))
+
+    inverse = forward
 
 
 @register_method("kivi")
@@ -79,7 +98,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     )
 
     # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
-    _value_rotation: Rotation | None = None
+    _value_rotation: Rotation | PlainHadamard | None = None
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
@@ -89,9 +108,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
         check_channel_groups(cls.method_name, config, head_dim, what="values in ")
-        if not isinstance(config.options.get("rotate_values", False), bool):
-            raise ConfigError("Method 'kivi' takes rotate_values=true or rotate_values=false.")
-        if cls.rotates_values(config) and config.rotation not in ROTATION_KINDS:
+        rotate = config.options.get("rotate_values", False)
+        if not (isinstance(rotate, bool) or rotate == "plain"):  # not `in`: 1 == True
+            raise ConfigError("Method 'kivi' takes rotate_values=true, rotate_values=plain or rotate_values=false.")
+        if config.options.get("rotate_values") == "plain":
+            PlainHadamard(head_dim)  # raises for a head_dim it cannot transform
+        elif cls.rotates_values(config) and config.rotation not in ROTATION_KINDS:
             raise ConfigError(
                 f"Unknown rotation {config.rotation!r} for method 'kivi'; use {' or '.join(ROTATION_KINDS)}."
             )
@@ -118,7 +140,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     @classmethod
     def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
-        if not cls.rotates_values(config):
+        if config.options.get("rotate_values", False) in (False, "plain"):
             return 0
         rotation = make_rotation(head_dim, config.seed, config.rotation)
         return sum(array.nbytes for array in rotation_arrays(rotation))
@@ -127,11 +149,15 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
     ) -> None:
         super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
-        if self.rotates_values(self.config):
+        if self.config.options.get("rotate_values") == "plain":
+            self._value_rotation = PlainHadamard(v_head_dim)
+        elif self.rotates_values(self.config):
             self._value_rotation = make_rotation(v_head_dim, self.config.seed + self.layer_index, self.config.rotation)
 
     def _constant_arrays(self) -> list[mx.array]:
-        return [] if self._value_rotation is None else rotation_arrays(self._value_rotation)
+        if isinstance(self._value_rotation, Rotation):
+            return rotation_arrays(self._value_rotation)
+        return []
 
     # Values live rotated in the cache (sinks and window too), so attention's output is in the rotated space.
     def _values_in(self, values: mx.array) -> mx.array:
