@@ -523,3 +523,32 @@ def test_kivi_plain_value_rotation_holds_nothing_and_keeps_the_bits_of_kivi() ->
     assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, "causal")) < 2e-3
     with pytest.raises(ConfigError, match="2\\^k"):
         KVCacheConfig("kivi", 4, group_size=32, options={"rotate_values": "plain"}).validate(160)  # 20·2^3
+
+
+def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
+    """clip_search picks, per group, the clipping with the least squared error (1.0 is among them, so no group
+    gets worse): heavy-tailed keys and values decode closer, in arrays of the same shapes and bytes."""
+    from engine.kvcache.methods.affine import affine_dequantize, affine_quantize
+    from engine.kvcache.methods.kivi import clipped_quantize
+
+    heavy = mx.random.normal((2, 3, 64, 256), key=mx.random.key(3)) ** 3  # heavy tails, as real keys have
+    for bits in (2, 3, 4):
+        plain, clipped = affine_quantize(heavy, "k", 64, bits), clipped_quantize(heavy, "k", 64, bits)
+        assert {n: a.shape for n, a in plain.items()} == {n: a.shape for n, a in clipped.items()}
+        groups = (2, 3, 64, 4, 64)
+        plain_error = mx.square(affine_dequantize(plain, "k", 64, bits, float32_scales=True) - heavy).reshape(groups)
+        clipped_error = mx.square(affine_dequantize(clipped, "k", 64, bits, float32_scales=True) - heavy).reshape(groups)
+        assert mx.all(clipped_error.sum(-1) <= plain_error.sum(-1) * (1 + 1e-6)).item()
+        assert clipped_error.sum().item() < 0.98 * plain_error.sum().item(), bits
+    keys, values = random_kv(n_kv_heads=2, n_tokens=256, head_dim=64, seed=24)
+    keys, values = keys**3, values**3
+    caches = {clip: filled(make_cache("kivi", 3, group_size=64, options={"clip_search": clip}), keys, values)
+              for clip in (False, True)}
+    assert caches[True].nbytes == caches[False].nbytes == array_bytes(caches[True])
+    errors = {clip: relative_error(mx.concatenate(cache.to_dense(), -1), mx.concatenate([keys, values], -1))
+              for clip, cache in caches.items()}
+    assert errors[True] < errors[False], errors
+    config = KVCacheConfig.parse("kivi:k4v4:g64:clip_search=true")
+    assert get_method("kivi").kernel_declines(config) is None
+    with pytest.raises(ConfigError, match="clip_search"):
+        KVCacheConfig("kivi", 4, options={"clip_search": "yes"}).validate(64)

@@ -23,6 +23,8 @@ Method options in use (each method's `check_config` says which it reads):
       rotate_values=true         kivi: values stored after the layer's seeded rotation, output rotated back
                                  (keys untouched), e.g. kivi:k4v4:g64:rotate_values=true; =plain: the
                                  plain Walsh-Hadamard transform, nothing held
+      clip_search=true           kivi: each group quantized at the clipping of its range with the least
+                                 squared error (same layout), e.g. kivi:k4v4:g64:clip_search=true
       values=NAME                qjl: the partner method that stores the values (affine), e.g.
                                  qjl:k4v4:g64:values=affine
       codebooks=DIR              vq: the folder `velox precompute` wrote, e.g. vq:k2v2:codebooks=/data/cb

@@ -36,6 +36,12 @@ so the cache keeps the bits of plain KIVI; it needs head_dim = 2^k or 12·2^k, w
 inverse). A few outlier channels are spread alike either way; the signs only guard against inputs aligned with
 H's rows.
 
+Option `clip_search` (true/false; default false) quantizes every group (a key channel's block, a value token's
+channel group) at the range that gives it the least squared error among a few clippings of its min..max
+range (`CLIP_RATIOS`, about its midpoint): at 4 bits one outlier no longer spreads the other 63 values over a
+few codes. Only the scales, biases and codes chosen change, not their layout, so attention and the decode kernel
+read them as before; quantizing takes len(CLIP_RATIOS) times longer.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -68,6 +74,39 @@ from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
 KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+
+
+# Fractions of a group's half-range kept about its midpoint, tried by clip_search (1.0: plain min..max).
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
+    """`affine_quantize` with each group clipped to the range (of CLIP_RATIOS) that quantizes it with the least
+    squared error; the same store entries and layout."""
+    shape = array.shape
+    n_groups = shape[-1] // group_size
+    exact = array.astype(mx.float32)
+    groups = exact.reshape(*shape[:-1], n_groups, group_size)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best: dict[str, mx.array] = {}
+    best_error: mx.array | None = None
+    for ratio in CLIP_RATIOS:
+        clipped = mx.clip(groups, middle - ratio * half, middle + ratio * half).reshape(shape).astype(array.dtype)
+        found = affine_quantize(clipped, role, group_size, bits)
+        decoded = affine_dequantize(found, role, group_size, bits, float32_scales=True)
+        error = mx.square(decoded - exact).reshape(groups.shape).sum(axis=-1)  # [..., n_groups]
+        if best_error is None:
+            best, best_error = found, error
+            continue
+        better = error < best_error
+        best_error = mx.where(better, error, best_error)
+        for name, part in found.items():
+            # scales/biases: one per group; codes: group_size·bits/32 words per group.
+            by_group = part.reshape(*shape[:-1], n_groups, -1)
+            kept = best[name].reshape(by_group.shape)
+            best[name] = mx.where(better[..., None], by_group, kept).reshape(part.shape)
+    return best
 
 
 class PlainHadamard:
@@ -108,6 +147,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
         check_channel_groups(cls.method_name, config, head_dim, what="values in ")
+        if not isinstance(config.options.get("clip_search", False), bool):
+            raise ConfigError("Method 'kivi' takes clip_search=true or clip_search=false.")
         rotate = config.options.get("rotate_values", False)
         if not (isinstance(rotate, bool) or rotate == "plain"):  # not `in`: 1 == True
             raise ConfigError("Method 'kivi' takes rotate_values=true, rotate_values=plain or rotate_values=false.")
@@ -181,10 +222,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         group_size = self.config.group_size
+        quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
         return {
-            **affine_quantize(values, "value", group_size, self.config.value_bits),
+            **quantize(values, "value", group_size, self.config.value_bits),
             # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
-            **affine_quantize(keys.swapaxes(-1, -2), "key", self.token_block, self.config.key_bits),
+            **quantize(keys.swapaxes(-1, -2), "key", self.token_block, self.config.key_bits),
         }
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
