@@ -92,7 +92,9 @@ def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> 
     best: dict[str, mx.array] = {}
     best_error: mx.array | None = None
     for ratio in CLIP_RATIOS:
-        clipped = mx.clip(groups, middle - ratio * half, middle + ratio * half).reshape(shape).astype(array.dtype)
+        # 1.0 quantizes the array itself (clip's midpoint ± half-range can move min and max by a rounding).
+        clipped = array if ratio == 1.0 else mx.clip(
+            groups, middle - ratio * half, middle + ratio * half).reshape(shape).astype(array.dtype)
         found = affine_quantize(clipped, role, group_size, bits)
         decoded = affine_dequantize(found, role, group_size, bits, float32_scales=True)
         error = mx.square(decoded - exact).reshape(groups.shape).sum(axis=-1)  # [..., n_groups]
