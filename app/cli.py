@@ -95,7 +95,7 @@ def _build_parser(harness: Any) -> argparse.ArgumentParser:
     app = sub.add_parser("app", help="start the desktop app")
     app.add_argument("--model", "-m", default=None)
     serve_cli.add_arguments(sub.add_parser("serve", help="a local OpenAI-compatible server with the compressed KV cache"))
-    bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed; from a source checkout)")
+    bench = sub.add_parser("bench", help="benchmark the KV caches (quality, memory, speed, decode; from a source checkout)")
     if harness is not None:
         harness.add_arguments(bench)
     else:

@@ -1,6 +1,7 @@
 """Run `velox bench` from a checkout without installing: the harness lives in benchmarks/harness/.
 
     python benchmarks/bench.py quality|memory|speed|all|report [--quick] [--out DIR] [...]
+    python benchmarks/bench.py decode --out FILE [...]   (benchmarks/decode.py's options)
 
 Same arguments as `velox bench` (see `python benchmarks/bench.py --help`). Results: benchmarks/results/*.json;
 report: BENCHMARKS.md and docs/figures/*.png. The prose is `--text FILE`, else botchan.txt and areopagitica.txt

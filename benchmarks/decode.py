@@ -1,7 +1,8 @@
 """Whole-model decode speed of every KV cache on a GPU: `velox bench decode`.
 
-    python benchmarks/decode.py --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
-                                [--steps 10] [--warmup 3] [--prefill 32768]
+    velox bench decode --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
+                       [--steps 10] [--warmup 3] [--prefill 32768] [--shape 8b|tiny]
+    python benchmarks/decode.py ...   (the same, from a checkout without installing)
 
 A Llama-3.1-8B-shaped model (32 layers, 32 query / 8 kv heads, head_dim 128, hidden 4096, MLP 14336,
 vocabulary 128256) built with mlx-lm's own llama class, its weights random and quantized to 4 bits in groups
@@ -17,8 +18,13 @@ every byte once at that bandwidth would reach. With --prefill N, a chunked prefi
 
 Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
-kivi:4:64, turboquant:3, affine:4:64+w128+s4) and `...@off` for a Velox method with kernels off. Rows:
+kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
+kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off. Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, or `error` where it failed.
+
+`--shape tiny` swaps the 8B shape for a 2-layer llama (4 query / 2 kv heads, head_dim 64) and a 64 MiB
+bandwidth probe: seconds on a CPU, for checking the command end to end, not for figures. The module imports
+no MLX until `run` (the `velox bench` parser is built from `add_arguments` before the runtime is prepared).
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-import mlx.nn as nn
+if TYPE_CHECKING:
+    import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,25 +54,38 @@ DEFAULT_SPECS = (
 PREFILL_SPECS = ("fp16", "mlx-kv", "kivi:4:64", "affine:4:64", "turboquant:4")
 FILL_CHUNK = 4096
 PREFILL_CHUNK = 2048
-SHAPE = {
-    "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "mlp": 14336,
-    "vocab": 128256, "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16",
+SHAPES: dict[str, dict[str, Any]] = {
+    "8b": {
+        "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "mlp": 14336,
+        "vocab": 128256, "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16",
+    },
+    # For checking the command on a CPU in seconds; hidden, MLP and vocabulary are multiples of the weight
+    # group so `nn.quantize` takes every layer, as it does for the 8B shape.
+    "tiny": {
+        "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256, "mlp": 512,
+        "vocab": 512, "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16",
+    },
 }
+SHAPE = SHAPES["8b"]
+# Bytes the bandwidth probe reduces: 4 GiB is far beyond any cache on the GPU; the tiny shape needs none of it.
+READ_PROBE_BYTES = {"8b": 4 << 30, "tiny": 64 << 20}
 
 
-def build_model() -> nn.Module:
-    """The 8B-shaped llama with random 4-bit g64 weights (bf16 activations)."""
+def build_model(shape: dict[str, Any] = SHAPE) -> nn.Module:
+    """The llama of `shape` (by default 8B-shaped) with random 4-bit g64 weights (bf16 activations)."""
+    import mlx.core as mx
+    import mlx.nn as nn
     from mlx_lm.models.llama import Model, ModelArgs
 
     args = ModelArgs(
-        model_type="llama", hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
-        intermediate_size=SHAPE["mlp"], num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"],
-        head_dim=SHAPE["head_dim"], rms_norm_eps=1e-5, vocab_size=SHAPE["vocab"], rope_theta=500000.0,
+        model_type="llama", hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+        intermediate_size=shape["mlp"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"], rms_norm_eps=1e-5, vocab_size=shape["vocab"], rope_theta=500000.0,
         tie_word_embeddings=False,
     )
     model = Model(args)
     model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=SHAPE["weight_group"], bits=SHAPE["weight_bits"])
+    nn.quantize(model, group_size=shape["weight_group"], bits=shape["weight_bits"])
     mx.eval(model.parameters())
     return model
 
@@ -78,6 +98,8 @@ def weight_bytes(model: nn.Module) -> int:
 
 def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
     """Bytes/s of a large reduction (reads every byte once), best of `repeats`."""
+    import mlx.core as mx
+
     data = mx.random.uniform(shape=(n_bytes // 4,), dtype=mx.float32)
     mx.eval(data)
     best = 0.0
@@ -91,7 +113,7 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
     return best
 
 
-def make_caches(spec: str, n_layers: int) -> list[Any]:
+def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list[Any]:
     """Per-layer caches for a spec string (see the module doc)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -101,9 +123,20 @@ def make_caches(spec: str, n_layers: int) -> list[Any]:
         parts = spec[len("mlx-q:"):].split(":")
         bits, group = int(parts[0]), int(parts[1]) if len(parts) > 1 else 64
         return [QuantizedKVCache(group_size=group, bits=bits) for _ in range(n_layers)]
+    from engine.errors import ConfigError
     from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 
     text, _, mode = spec.partition("@")
+    model_shape = ModelShape(n_layers=n_layers, n_heads=shape["heads"], n_kv_heads=shape["kv_heads"],
+                             head_dim=shape["head_dim"])
+    try:  # the project's one spec syntax (KVCacheConfig.parse), e.g. kivi:k4v4:g64:s4:key_block=128
+        config = KVCacheConfig.parse(text)
+    except ConfigError:
+        config = None  # this script's older form, below
+    if config is not None:
+        if config.method not in ("fp16", "fp32"):
+            config = replace(config, options={**config.options, "kernels": mode or "auto", "prefill_attention": "auto"})
+        return KVCacheBuilder(config).for_shape(model_shape).build()
     head, *extras = text.split("+")
     method, *rest = head.split(":")
     fields: dict[str, Any] = {"method": method}
@@ -115,13 +148,12 @@ def make_caches(spec: str, n_layers: int) -> list[Any]:
         fields["residual_window" if extra[0] == "w" else "sink_tokens"] = int(extra[1:])
     if method not in ("fp16", "fp32"):
         fields["options"] = {"kernels": mode or "auto", "prefill_attention": "auto"}
-    shape = ModelShape(n_layers=n_layers, n_heads=SHAPE["heads"], n_kv_heads=SHAPE["kv_heads"],
-                       head_dim=SHAPE["head_dim"])
-    return KVCacheBuilder(KVCacheConfig(**fields)).for_shape(shape).build()
+    return KVCacheBuilder(KVCacheConfig(**fields)).for_shape(model_shape).build()
 
 
 def cache_bytes(caches: list[Any]) -> int:
     """Bytes a decode step reads from the caches: Velox's `nbytes`; mlx-lm's state (views up to offset)."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     total = 0
@@ -133,19 +165,23 @@ def cache_bytes(caches: list[Any]) -> int:
     return total
 
 
-def fill(caches: list[Any], context: int) -> None:
+def fill(caches: list[Any], context: int, shape: dict[str, Any] = SHAPE) -> None:
     """`context` random tokens into every layer through update_and_fetch, FILL_CHUNK at a time."""
-    shape = (1, SHAPE["kv_heads"], FILL_CHUNK, SHAPE["head_dim"])
+    import mlx.core as mx
+
+    chunk = (1, shape["kv_heads"], FILL_CHUNK, shape["head_dim"])
     for start in range(0, context, FILL_CHUNK):
         n = min(FILL_CHUNK, context - start)
-        keys = mx.random.normal(shape).astype(mx.bfloat16)[..., :n, :]
-        values = mx.random.normal(shape).astype(mx.bfloat16)[..., :n, :]
+        keys = mx.random.normal(chunk).astype(mx.bfloat16)[..., :n, :]
+        values = mx.random.normal(chunk).astype(mx.bfloat16)[..., :n, :]
         for cache in caches:
             cache.update_and_fetch(keys, values)
         mx.eval([c.state for c in caches])
 
 
 def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) -> list[float]:
+    import mlx.core as mx
+
     token = mx.array([[128]], dtype=mx.int32)
     times = []
     for step in range(warmup + steps):
@@ -159,24 +195,35 @@ def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) ->
     return sorted(times)
 
 
-def time_prefill(model: nn.Module, spec: str, n_tokens: int) -> dict[str, Any]:
-    caches = make_caches(spec, SHAPE["layers"])
-    prompt = mx.random.randint(0, SHAPE["vocab"], (1, n_tokens)).astype(mx.int32)
+def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
+    """A chunked prefill of `n_tokens` into fresh caches, timed on its second run: the first compiles the
+    kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
+    would be charged to whichever spec happens to come first."""
+    import mlx.core as mx
+
+    prompt = mx.random.randint(0, shape["vocab"], (1, n_tokens)).astype(mx.int32)
     mx.eval(prompt)
-    mx.synchronize()
-    began = time.perf_counter()
-    for start in range(0, n_tokens, PREFILL_CHUNK):
-        logits = model(prompt[:, start : start + PREFILL_CHUNK], cache=caches)
-        mx.eval(logits, [c.state for c in caches])
-    mx.synchronize()
-    seconds = time.perf_counter() - began
+    for timed in (False, True):
+        caches = make_caches(spec, shape["layers"], shape)
+        mx.synchronize()
+        began = time.perf_counter()
+        for start in range(0, n_tokens, PREFILL_CHUNK):
+            logits = model(prompt[:, start : start + PREFILL_CHUNK], cache=caches)
+            mx.eval(logits, [c.state for c in caches])
+        mx.synchronize()
+        seconds = time.perf_counter() - began
+        if not timed:
+            del caches
+            gc.collect()
+            mx.clear_cache()
     # One decode step after the real prefill, to show the cache it built decodes too.
     step = time_decode(model, caches, steps=3, warmup=1)
     del caches
     return {"prefill_s": seconds, "prefill_tok_s": n_tokens / seconds, "decode_tok_s_after": 1 / step[1]}
 
 
-def profile_step(model: nn.Module, spec: str, context: int, repeats: int = 20) -> dict[str, Any]:
+def profile_step(model: nn.Module, spec: str, context: int, repeats: int = 20,
+                 shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
     """Where one decode step's time goes, for one cache at one context (all times in ms).
 
     `step`: the whole-model step (median). `build`: host time of `model(token, cache=caches)` alone, which
@@ -186,10 +233,11 @@ def profile_step(model: nn.Module, spec: str, context: int, repeats: int = 20) -
     `repeats`; `layer_attention_batched`: the same attention `repeats` times in one evaluation, divided (GPU
     time with the launches pipelined).
     """
+    import mlx.core as mx
     from mlx_lm.models.base import scaled_dot_product_attention
 
-    caches = make_caches(spec, SHAPE["layers"])
-    fill(caches, context)
+    caches = make_caches(spec, shape["layers"], shape)
+    fill(caches, context, shape)
     token = mx.array([[128]], dtype=mx.int32)
     builds, evals, steps = [], [], []
     for step in range(repeats + 3):
@@ -205,13 +253,13 @@ def profile_step(model: nn.Module, spec: str, context: int, repeats: int = 20) -
             evals.append(done - built)
             steps.append(done - began)
     cache = caches[0]
-    shape_q = (1, SHAPE["heads"], 1, SHAPE["head_dim"])
-    shape_kv = (1, SHAPE["kv_heads"], 1, SHAPE["head_dim"])
+    shape_q = (1, shape["heads"], 1, shape["head_dim"])
+    shape_kv = (1, shape["kv_heads"], 1, shape["head_dim"])
     queries = mx.random.normal(shape_q).astype(mx.bfloat16)
     keys = mx.random.normal(shape_kv).astype(mx.bfloat16)
     values = mx.random.normal(shape_kv).astype(mx.bfloat16)
     mx.eval(queries, keys, values)
-    scale = SHAPE["head_dim"] ** -0.5
+    scale = shape["head_dim"] ** -0.5
     updates, attends = [], []
     for _ in range(repeats):
         mx.synchronize()
@@ -260,23 +308,43 @@ def _error_text(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)))
-    parser.add_argument("--specs", default=",".join(DEFAULT_SPECS))
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """decode's options, on its own parser or on `velox bench decode`'s (MLX-free, see the module doc)."""
+    parser.add_argument("--out", required=True, help="the JSON file to write (rewritten after every row)")
+    parser.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
+                        help="comma-separated cache lengths in tokens (default: %(default)s)")
+    parser.add_argument("--specs", default=",".join(DEFAULT_SPECS),
+                        help="comma-separated caches, fp16 first for the ratios (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per row (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default: %(default)s)")
     parser.add_argument("--prefill", type=int, default=0, help="also time a chunked prefill of this many tokens")
-    parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS))
+    parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS),
+                        help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
-    args = parser.parse_args(argv)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
+                        help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="decode.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The decode benchmark of parsed `add_arguments` options; writes args.out, returns the exit code."""
+    from engine.runtime import prepare_runtime
+
+    prepare_runtime()  # the CPU fast path must be set up before MLX is first imported (no-op on a GPU)
+    import mlx.core as mx
+
+    shape = SHAPES[args.shape]
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
 
     record: dict[str, Any] = {
         "schema": "velox-bench/1", "kind": "decode", "device": str(mx.default_device()), "mlx": mx.__version__,
-        "platform": f"{platform.system()} {platform.machine()}", "shape": SHAPE, "contexts": contexts,
+        "platform": f"{platform.system()} {platform.machine()}", "shape": shape, "contexts": contexts,
         "steps": args.steps, "warmup": args.warmup, "fill_chunk": FILL_CHUNK,
     }
     try:
@@ -287,12 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # not an NVIDIA machine
         record["gpu"] = f"unknown ({type(error).__name__})"
     record["loadavg_start"] = _loadavg()
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(READ_PROBE_BYTES[args.shape])
     record["read_bytes_per_second"] = bandwidth
-    model = build_model()
+    model = build_model(shape)
     weights = weight_bytes(model)
     record["weight_bytes"] = weights
-    print(f"read bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB", flush=True)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weights / 1e6:.1f} MB", flush=True)
 
     out = Path(args.out)
     if args.profile:
@@ -300,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         profiles = []
         for spec in profile_specs.split(","):
             try:
-                profiles.append(profile_step(model, spec, int(profile_context or 32769)))
+                profiles.append(profile_step(model, spec, int(profile_context or 32769), shape=shape))
             except Exception as error:
                 profiles.append({"spec": spec, "error": _error_text(error)})
             print("profile " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -314,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"spec": spec, "context": context}
             caches = None
             try:
-                caches = make_caches(spec, SHAPE["layers"])
-                fill(caches, context)
+                caches = make_caches(spec, shape["layers"], shape)
+                fill(caches, context, shape)
                 held = cache_bytes(caches)
                 times = time_decode(model, caches, args.steps, args.warmup)
                 median = times[len(times) // 2]
@@ -345,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in [s.strip() for s in args.prefill_specs.split(",") if s.strip()]:
             row = {"spec": spec, "context": args.prefill}
             try:
-                row |= time_prefill(model, spec, args.prefill)
+                row |= time_prefill(model, spec, args.prefill, shape)
                 print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s "
                       f"(then decode {row['decode_tok_s_after']:.1f} tok/s)", flush=True)
             except Exception as error:

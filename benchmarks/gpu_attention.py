@@ -1,4 +1,6 @@
-"""Synthetic Llama-3.1-8B-shaped attention decode on a GPU (benchmarks/harness/gpu.py), for the `device` machine.
+"""Attention only of a Llama-3.1-8B-shaped decode step on a GPU (benchmarks/harness/gpu.py), for the `device` machine.
+
+Not a decode speed: no projections, MLP or sampling; whole-model decode is benchmarks/decode.py (`velox bench decode`).
 
     python benchmarks/gpu_attention.py --out benchmarks/results/gpu.json [--contexts ...] [--specs ...]
     python benchmarks/gpu_attention.py --probe --out gpu-probe.json   (which quantized shapes run at all)

@@ -4,6 +4,8 @@ from held bytes, spec parsing, needle prompts, result files and the report. No t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -227,7 +229,7 @@ def test_level_specs_follow_the_level_table() -> None:
     assert len(specs) == len(compressed)
     for text, level in zip(specs, compressed, strict=True):
         spec = parse_spec(text)
-        assert spec.config == replace(level.config, options={"prefill_attention": "auto"})
+        assert spec.config == replace(level.config, options={**level.config.options, "prefill_attention": "auto"})
 
 
 # ----- quality bookkeeping ------------------------------------------------------------------------------------
@@ -389,8 +391,6 @@ def _write_committed_report(tmp_path: Path) -> str:
 
 
 def test_report_on_the_committed_results_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     text = _write_committed_report(tmp_path)
     assert not (tmp_path / "figures").exists()
@@ -600,13 +600,14 @@ def test_level_rule_budgets_eligibility_and_ties() -> None:
         _row("turboquant:k3v3", 0.01),  # best at 3.125 bits, but decodes through dequantize-per-step
         _row("rotated:k3v2:g32", 0.29), _row("kivi:k3v3:g64", 0.2),
         _row("mlx-q:k2v2", 0.0),  # not a Velox method
-        # fused and within 4.5 / 3.5 bits, but the GPU decode kernel declines them (key_block, sinks in stream)
+        # KIVI's own key blocks and sinks (the decode kernel reads both); at 3 bits a tie: the smaller wins
         _row("kivi:k4v4:g64:s4:key_block=128", 0.02), _row("kivi:k3v3:g64:key_block=128", 0.1),
         _row("kivi:k3v3:g64:s4", 0.1),
     ]
     chosen = {key: value["row"]["spec"] for key, value in select_levels(rows).items()}
     # nothing fused fits 2.5 bits
-    assert chosen == {"8": "affine:k8v8:g64", "4": "affine:k4v4:g64", "3": "kivi:k3v3:g64"}
+    assert chosen == {
+        "8": "affine:k8v8:g64", "4": "kivi:k4v4:g64:s4:key_block=128", "3": "kivi:k3v3:g64:key_block=128"}
 
 
 def _needle(recalls: dict[str, list[bool]], length: int = 4096) -> dict:
@@ -662,11 +663,15 @@ def test_level_rule_turns_away_a_cache_behind_on_greedy_agreement() -> None:
     assert verdict["behind"] == pytest.approx(0.2375) and verdict["behind"] > verdict["se"]
     noisy = _agreement({"kivi:k4v4:g64": [0.0, 0.9, 0.0, 0.9], "affine:k4v4:g64": [0.9, 0.0, 0.9, 0.2]})
     assert select_levels(rows, needle, noisy)["4"]["row"]["spec"] == "kivi:k4v4:g64"
-    # Without per-prompt figures no difference can be told from noise; a candidate never measured is turned away.
+    # Without per-prompt figures no difference can be told from noise; nor can it for a candidate not measured.
     bare = {"rows": [{"spec": "kivi:k4v4:g64", "match_rate": 0.1}, {"spec": "affine:k4v4:g64", "match_rate": 0.9}]}
     assert select_levels(rows, needle, bare)["4"]["row"]["spec"] == "kivi:k4v4:g64"
     only_affine = _agreement({"affine:k4v4:g64": [0.1, 0.1]})
-    assert select_levels(rows, needle, only_affine)["4"]["row"]["spec"] == "affine:k4v4:g64"
+    choice = select_levels(rows, needle, only_affine)["4"]
+    assert choice["row"]["spec"] == "kivi:k4v4:g64" and not choice["use"]["kivi:k4v4:g64"]["agreement"]["measured"]
+    # A candidate never measured on the needle is turned away: the needle target is absolute.
+    no_kivi = _needle({"fp16": [True] * 10, "affine:k4v4:g64": [True] * 10})
+    assert select_levels(rows, no_kivi, steady)["4"]["row"]["spec"] == "affine:k4v4:g64"
 
 
 def test_level_rule_keeps_the_lowest_kl_where_nothing_meets_the_use_targets() -> None:
@@ -708,15 +713,14 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
 
 def test_importing_the_harness_does_not_load_mlx() -> None:
     """`velox bench` imports the harness before the CPU fast path is prepared, so it must not import MLX."""
-    import subprocess
-    import sys
-
     from benchmarks.harness.common import ROOT
 
-    code = ("import sys, benchmarks.harness.cli, benchmarks.harness.specs, benchmarks.harness.levels; "
-            "print('mlx' in sys.modules)")
+    # Building the parser imports benchmarks/decode.py for `velox bench decode`'s options: MLX-free too.
+    code = ("import sys, argparse, benchmarks.harness.cli, benchmarks.harness.specs, benchmarks.harness.levels; "
+            "benchmarks.harness.cli.add_arguments(argparse.ArgumentParser()); "
+            "print('benchmarks.decode' in sys.modules, 'mlx' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert result.stdout.strip() == "False"
+    assert result.stdout.strip() == "True False"
 
 
 def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
@@ -735,6 +739,132 @@ def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
         reference_nll([row("kivi:4:64", 3.7, 0.04), row("affine:8:64", 3.7, 0.0)])
     committed = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" / "quality.json").read_text())
     assert 3 < reference_nll(committed["perplexity"]["rows"]) < 5
+
+
+# ----- velox bench decode (benchmarks/decode.py) ---------------------------------------------------------------------
+
+
+def test_bench_kinds_keep_their_options_beside_decode() -> None:
+    """`decode` is a sub-command with decode.py's options; the harness's kinds parse as before."""
+    import argparse
+
+    from benchmarks.harness.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["quality", "--quick", "--parts", "needle", "--specs", "fp16", "--out", "/x"])
+    assert (args.what, args.quick, args.parts, args.specs, args.out) == ("quality", True, "needle", "fp16", "/x")
+    assert parser.parse_args(["report", "--markdown", "B.md"]).markdown == "B.md"
+    args = parser.parse_args(["decode", "--out", "d.json", "--shape", "tiny", "--contexts", "257", "--steps", "2"])
+    assert (args.what, args.out, args.shape, args.contexts, args.steps) == ("decode", "d.json", "tiny", "257", 2)
+    assert not hasattr(args, "quick")  # decode.py's options only
+    for wrong in (["decode"], ["decode", "--out", "d.json", "--quick"], ["quality", "--shape", "tiny"], []):
+        with pytest.raises(SystemExit):
+            parser.parse_args(wrong)
+
+
+def _velox(*argv: str) -> subprocess.CompletedProcess:
+    from benchmarks.harness.common import ROOT
+
+    return subprocess.run([sys.executable, "-m", "app.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+def test_velox_bench_decode_help_shows_decode_py_options() -> None:
+    done = _velox("bench", "decode", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: velox bench decode")
+    for option in ("--out", "--contexts", "--specs", "--steps", "--warmup", "--prefill", "--profile", "--shape"):
+        assert option in done.stdout
+    assert "--quick" not in done.stdout
+
+
+def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
+    """The whole command on the CPU (its reference attention path) with the tiny shape at an untidy length:
+    one row per cache with its speed, ratio and held bytes; a cache that cannot be built is an error row."""
+    out = tmp_path / "decode.json"
+    done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--contexts", "257",
+                  "--specs", "fp16,kivi:4:64,mlx-kv,kivi:9:64", "--steps", "2", "--warmup", "1")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    shape = record["shape"]
+    assert (shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]) == (2, 4, 2, 64)
+    assert record["kind"] == "decode" and record["contexts"] == [257] and record["weight_bytes"] > 0
+    rows = {row["spec"]: row for row in record["rows"]}
+    assert list(rows) == ["fp16", "kivi:4:64", "mlx-kv", "kivi:9:64"]
+    fp16_bytes = 2 * shape["layers"] * shape["kv_heads"] * 257 * shape["head_dim"] * 2  # K and V, 16-bit
+    for spec in ("fp16", "kivi:4:64", "mlx-kv"):
+        row = rows[spec]
+        assert row["context"] == 257 and "error" not in row, row
+        assert row["tok_s"] > 0 and row["tok_s"] == pytest.approx(1000 / row["ms"])
+        assert row["vs_fp16"] == pytest.approx(row["tok_s"] / rows["fp16"]["tok_s"])
+        assert row["bound_tok_s"] == pytest.approx(record["read_bytes_per_second"]
+                                                   / (record["weight_bytes"] + row["held_bytes"]))
+    assert rows["fp16"]["vs_fp16"] == 1.0
+    assert rows["fp16"]["held_bytes"] >= fp16_bytes and rows["mlx-kv"]["held_bytes"] >= fp16_bytes
+    assert 0 < rows["kivi:4:64"]["held_bytes"] < fp16_bytes / 2  # 4-bit codes and their scales
+    failed = rows["kivi:9:64"]
+    assert failed["context"] == 257 and failed["error"].startswith("ConfigError: ") and "tok_s" not in failed
+
+
+def _decode_record(rows: list[dict]) -> dict:
+    shape = {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256, "mlp": 512, "vocab": 512,
+             "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16"}
+    return {"kind": "decode", "device": "Device(cpu, 0)", "gpu": "unknown (FileNotFoundError)", "mlx": "0.32.4",
+            "shape": shape, "steps": 2, "warmup": 1, "rows": rows}
+
+
+def test_plot_decode_draws_one_series_per_spec(tmp_path: Path) -> None:
+    """benchmarks/plot_decode.py: valid SVG, one series per spec (a failed one too), bar heights in proportion to
+    tok/s, the memory bound only where the rows carry it."""
+    import xml.etree.ElementTree as ET
+
+    from benchmarks import plot_decode
+
+    rows = [
+        {"spec": "fp16", "context": 257, "tok_s": 90.0, "vs_fp16": 1.0, "bound_tok_s": 900.0},
+        {"spec": "fp16", "context": 1025, "tok_s": 60.0, "vs_fp16": 1.0, "bound_tok_s": 600.0},
+        {"spec": "kivi:4:64", "context": 257, "tok_s": 45.0, "vs_fp16": 0.5, "bound_tok_s": 1000.0},
+        {"spec": "kivi:4:64", "context": 1025, "tok_s": 30.0, "vs_fp16": 0.5, "bound_tok_s": 800.0},
+        {"spec": "mlx-q:4", "context": 257, "error": "RuntimeError: no kernel"},
+        {"spec": "mlx-q:4", "context": 1025, "error": "RuntimeError: no kernel"},
+    ]
+    source = tmp_path / "decode.json"
+    source.write_text(json.dumps(_decode_record(rows)))
+    out = tmp_path / "figure.svg"
+    assert plot_decode.main(["--rows", str(source), "--out", str(out)]) == 0
+    ns = "{http://www.w3.org/2000/svg}"
+    svg = ET.parse(out).getroot()
+    assert svg.tag == f"{ns}svg"
+    series = {g.get("data-spec"): g for g in svg.iter(f"{ns}g") if g.get("class") == "series"}
+    assert list(series) == ["fp16", "kivi:4:64", "mlx-q:4"]
+    texts = "".join(t.text or "" for t in svg.iter(f"{ns}text"))
+    assert "Whole-model decode, Device(cpu, 0), 2-layer model, 4-bit weights" in texts
+    assert "failed at every context (RuntimeError)" in texts
+
+    def bars(spec: str) -> list[float]:  # bar heights per context: the tok/s panel's, then the bound panel's
+        return [float(r.get("height")) for r in series[spec].iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+
+    fp16, kivi = bars("fp16"), bars("kivi:4:64")
+    assert len(fp16) == len(kivi) == 4 and bars("mlx-q:4") == []
+    assert kivi[0] / fp16[0] == pytest.approx(0.5, abs=0.01) and fp16[2] / fp16[0] == pytest.approx(60 / 90, abs=0.01)
+    assert kivi[1] / fp16[1] == pytest.approx(0.045 / 0.1, abs=0.01)  # shares of the bound: 4.5 % against 10 %
+    assert any(line.get("class") == "bound" for line in svg.iter(f"{ns}line"))
+
+    for row in rows:
+        row.pop("bound_tok_s", None)
+    svg = ET.fromstring(plot_decode.render_svg(_decode_record(rows), "decode.json", title="T"))
+    assert not any(line.get("class") == "bound" for line in svg.iter(f"{ns}line"))
+    assert len([r for r in svg.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]) == 4  # top panel only
+
+
+def test_committed_decode_figure_is_what_plot_decode_draws() -> None:
+    from benchmarks import plot_decode
+
+    record = json.loads(plot_decode.DEFAULT_ROWS.read_text())
+    expected = plot_decode.render_svg(record, "benchmarks/results/decode-h200.json")
+    assert plot_decode.DEFAULT_OUT.read_text(encoding="utf-8") == expected, (
+        "docs/figures/decode-h200.svg is stale: run `python benchmarks/plot_decode.py`")
 
 
 def test_needle_grid_is_sized_from_the_command_line() -> None:

@@ -49,6 +49,11 @@ def test_dispatch_install_and_uninstall_are_idempotent_and_reversible() -> None:
     assert llama.scaled_dot_product_attention is public_sdpa
 
 
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+@pytest.mark.skipif(_on_cuda(), reason="mlx-lm's QuantizedKVCache needs quantized_matmul shapes MLX's CUDA lacks")
 def test_mlx_lm_caches_are_untouched_by_the_hook() -> None:
     model = tiny_llama()
     tokens = mx.random.randint(0, 100, (1, 40), key=mx.random.key(1))
@@ -224,9 +229,9 @@ def test_model_logits_with_compressed_caches_track_the_uncompressed_model() -> N
 @pytest.mark.parametrize("method", ["affine", "rotated", "kivi", "turboquant"])
 def test_dequantize_blocks_prefill_matches_the_fused_path(method: str, whole_history: bool, monkeypatch) -> None:
     monkeypatch.setattr(kv_base, "DEQUANTIZE_BLOCK_TOKENS", 64)  # several blocks, a partial last one
-    # On the CPU fast path a chunk attends over the whole decoded history at once, up to a byte cap.
+    # A chunk attends over the whole decoded history at once (CPU fast path, GPU), up to a byte cap.
     monkeypatch.setattr(kv_base, "DENSE_HISTORY_MAX_BYTES", 1 << 30 if whole_history else 0)
-    assert not whole_history or kv_base.cpu_attention.active(), "the CPU fast path is off: nothing tested"
+    assert not whole_history or kv_base._dense_attention(mx.float32) is not None, "no whole-history path here"
     keys, values = random_kv(n_kv_heads=2, n_tokens=150, head_dim=64, seed=12)
     segments = {"sink_tokens": 4, "residual_window": 8}
     fused = filled(
@@ -250,8 +255,9 @@ def test_dequantize_blocks_prefill_matches_the_fused_path(method: str, whole_his
     )
     blocked.attention(queries, blocked, blocked, 0.125, "causal")
     assert fused_calls == []
-    blocked.attention(queries[..., -1:, :], blocked, blocked, 0.125, None)  # decoding stays fused
-    assert fused_calls == [1]
+    if not _on_cuda():  # on CUDA decoding reads the codes with the decode kernel, or decodes them
+        blocked.attention(queries[..., -1:, :], blocked, blocked, 0.125, None)  # decoding stays fused
+        assert fused_calls == [1]
 
 
 def test_prefill_attention_option_is_validated() -> None:
@@ -261,5 +267,11 @@ def test_prefill_attention_option_is_validated() -> None:
 
 
 def test_auto_prefill_attention_follows_the_device() -> None:
-    assert kv_base._prefill_dequantizes("auto") == (mx.default_device() == mx.cpu)
-    assert kv_base._prefill_dequantizes("dequantize-blocks") and not kv_base._prefill_dequantizes("fused")
+    rows = kv_base.DEQUANTIZE_MIN_ROWS
+    metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    cuda = mx.default_device() == mx.gpu and not metal
+    assert kv_base._attends_decoded("auto", rows) == (not metal)
+    assert kv_base._attends_decoded("dequantize-blocks", rows)
+    # quantized_matmul on CUDA has no kernel for most attention shapes: decoded there whatever the choice
+    assert kv_base._attends_decoded("fused", rows) == cuda
+    assert kv_base._attends_decoded("auto", 1) == cuda

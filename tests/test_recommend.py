@@ -147,8 +147,10 @@ def test_level_bits_are_the_registry_formula_of_their_config() -> None:
         assert level.effective_bits == formula, level.key
     assert level_by_key("16").effective_bits == 16.0
     assert level_by_key("8").effective_bits == 8.5
-    assert level_by_key("4").effective_bits == 4.5
-    assert level_by_key("2").effective_bits == 2.5  # 2-bit codes + an fp16 scale and bias per 64 values
+    # 4-bit codes; keys: an fp16 scale and bias per channel and 128-token block (0.25 bits), values: per 64
+    # channels (0.5 bits). The 4 sink tokens' 16 bits vanish in this per-value figure of an endless context.
+    assert level_by_key("4").effective_bits == 4.375
+    assert level_by_key("2").effective_bits == 2.375
 
 
 @pytest.mark.parametrize("key", LEVEL_KEYS)
@@ -174,14 +176,14 @@ def test_levels_make_valid_configs() -> None:
             key, label, spec, note, measured)
         assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
-    assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64)
+    assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64, sink_tokens=4, options={"key_block": 128})
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 
 
 def test_verdict_sentences() -> None:
     verdicts = {v.level.key: v for v in fit_verdicts(LLAMA_8B, 131072, 16 * GiB, prefill_chunk=128)}
-    assert verdicts["4"].message == "fits at 4-bit: 4.8 GB of cache"
+    assert verdicts["4"].message == "fits at 4-bit: 4.7 GB of cache"
     assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.2 GB")
     assert "17.2 GB free" in verdicts["16"].message
     odd = {v.level.key: v for v in fit_verdicts(ODD_HEADS, 1024, 16 * GiB)}

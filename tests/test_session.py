@@ -147,7 +147,7 @@ def test_document_prefill_reports_progress_and_is_reused(smollm):
 
 
 def test_regenerate_at_the_4_bit_level_reuses_whole_key_blocks_and_answers_the_same(smollm):
-    """Regenerating cuts the cache back to the question. At the 4-bit level (KIVI, 64-token key blocks) a cut
+    """Regenerating cuts the cache back to the question. At the 4-bit level (KIVI key blocks, 128 tokens) a cut
     inside a quantized block goes back to the block's start and runs the question's tail again, so the
     question is read as in the first turn (16-bit) and, greedily, the reply is the same."""
     from engine.kvcache import KVCacheBuilder
@@ -160,7 +160,13 @@ def test_regenerate_at_the_4_bit_level_reuses_whole_key_blocks_and_answers_the_s
         cache_factory=lambda m: KVCacheBuilder(config).for_model(m).build(),
     )
     question = ("Here is a list of fruits: apples, pears, plums, cherries, figs, dates, grapes, lemons, limes, "
-                "oranges, peaches and quinces. Write a short poem that names four of them.")
+                "oranges, peaches and quinces. They grow in orchards and gardens, on trees and on vines, in warm "
+                "valleys and on cool hillsides; some are picked in early summer, others only when the first "
+                "frosts come, and each has its own colour, scent and season. Farmers sell them at markets in "
+                "town squares, children eat them straight from the branch, and cooks turn them into jams, pies, "
+                "juices and preserves that last through the winter. In the old days every village had its own "
+                "varieties, grafted by hand and handed down in families, and travellers carried seeds and "
+                "cuttings along the roads from one valley to the next. Write a short poem that names four of them.")
     first_reply, first = run(session, question)
     replies, again = "", None
     for event in session.regenerate():
@@ -169,7 +175,10 @@ def test_regenerate_at_the_4_bit_level_reuses_whole_key_blocks_and_answers_the_s
         elif isinstance(event, GenerationStats):
             again = event
     cut = first.prompt_tokens - 1  # the regenerated turn reuses at most the question less its last token
-    block_start = cut // 64 * 64
-    assert cut % 64 and first.prompt_tokens + first.generated_tokens > block_start + 64  # cut inside a block
+    block = session.prompt_cache[0].token_block
+    block_start = cut // block * block
+    # cut inside a quantized block, past the first one, and in its second half (a cut back to a 64-token
+    # boundary would still split it)
+    assert block_start and cut % block >= 64 and first.prompt_tokens + first.generated_tokens > block_start + block
     assert again.reused_tokens == block_start
     assert replies == first_reply

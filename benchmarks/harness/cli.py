@@ -1,15 +1,17 @@
-"""`velox bench` command line: quality | memory | speed | all | report.
+"""`velox bench` command line: quality | memory | speed | all | report | decode.
 
     velox bench quality [--quick] [--out DIR] [--parts perplexity,needle,agreement] [--jobs N]
     velox bench memory  [--quick] [--out DIR]
     velox bench speed   [--quick] [--out DIR]
     velox bench all     [--quick] [--out DIR]      (quality, memory, speed, then the report)
     velox bench report  [--out DIR] [--markdown PATH] [--figures DIR]
+    velox bench decode  --out FILE [decode's own options: velox bench decode --help]
 
 Results go to DIR (default: benchmarks/results of the checkout) as one JSON per kind (`quality.json`,
 `quality-quick.json`, ...). The report (BENCHMARKS.md and PNG figures) is generated from those files only;
-it prefers full runs and falls back to quick ones. Module-level imports stay free of MLX, because the CLI
-builds its parser before the CPU fast path is prepared.
+it prefers full runs and falls back to quick ones. `decode` is benchmarks/decode.py (whole-model decode of an
+8B-shaped model, meant for a GPU) with its own options and output file. Module-level imports stay free of MLX,
+because the CLI builds its parser before the CPU fast path is prepared.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class BenchmarkError(VeloxError):
     """A benchmark step failed (its worker's error is in the message)."""
 
 
-KINDS = ("quality", "memory", "speed", "all", "report")
+KINDS = ("quality", "memory", "speed", "all", "report", "decode")
 QUALITY_PARTS = ("perplexity", "needle", "agreement")
 
 
@@ -514,8 +516,34 @@ def run_report(ctx: Context) -> None:
         log(f"wrote {path}")
 
 
+KIND_HELP = {
+    "quality": "perplexity against fp16, needle recall and greedy agreement of every cache",
+    "memory": "bytes each cache holds, on the model's keys/values and on 8B-shaped layers",
+    "speed": "decode speed of every cache on the default model (this machine's CPU or GPU)",
+    "all": "quality, memory, speed, then the report",
+    "report": "BENCHMARKS.md and its figures from the JSON results alone",
+    "decode": "whole-model decode speed of an 8B-shaped model with every cache (benchmarks/decode.py, for a GPU)",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=KINDS, help="which benchmark to run (all = quality, memory, speed, report)")
+    """One sub-command per kind: the harness's kinds share the options below; `decode` takes decode.py's own
+    (its --out is a file and its --specs another syntax, so the two sets cannot share one parser)."""
+    from benchmarks import decode  # MLX-free at import: only its options are needed here
+
+    shared = argparse.ArgumentParser(add_help=False)
+    _add_harness_arguments(shared)
+    kinds = parser.add_subparsers(dest="what", metavar="{" + ",".join(KINDS) + "}", required=True,
+                                  help="which benchmark to run")
+    for kind in KINDS:
+        if kind == "decode":
+            decode.add_arguments(kinds.add_parser(kind, help=KIND_HELP[kind], description=decode.__doc__,
+                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
+        else:
+            kinds.add_parser(kind, parents=[shared], help=KIND_HELP[kind], description=KIND_HELP[kind] + ".")
+
+
+def _add_harness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small version (velox bench all --quick: < 20 min)")
     parser.add_argument("--out", default=None, help="folder for the JSON results (default: benchmarks/results)")
     parser.add_argument("--model", default=None, help="mlx-lm model folder (default: the embedded default model)")
@@ -542,6 +570,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what == "decode":
+        from benchmarks import decode
+
+        return decode.run(args)
     ctx = Context(args)
     began = time.perf_counter()
     if args.what in ("quality", "all"):

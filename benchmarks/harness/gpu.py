@@ -1,4 +1,4 @@
-"""Synthetic Llama-3.1-8B-shaped attention decode on a GPU (MLX's CUDA or Metal backend), with the physical bound.
+"""Attention only of a synthetic Llama-3.1-8B-shaped decode step on a GPU (MLX CUDA or Metal), with its bound.
 
     python -m benchmarks.harness.gpu --out gpu.json [--contexts 4096,8192,...] [--specs fp16,affine:k4v4:g64,...]
 
@@ -6,7 +6,8 @@ One decode step is the attention of one new token in each of 32 layers (32 query
 heads of head_dim 128, bf16) over that layer's cache of N tokens; the 32 layers' caches are distinct, so a
 step reads every cached byte once, as a real step would (32 layers also keep the working set far above the
 GPU's L2 cache). Keys, values and queries are random: speed does not depend on their values. Projections,
-MLP and sampling are left out, so these are attention-only times.
+MLP and sampling are left out, so these are attention-only times, not decode speeds (benchmarks/decode.py
+times the whole model).
 
 Beside each time is its physical bound: the bytes the caches hold (every array of the 32 layers) divided by
 the device's read bandwidth, measured here with a large reduction; `bound / measured` is the fraction of

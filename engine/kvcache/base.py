@@ -49,12 +49,13 @@ PREFILL_ATTENTION_CHOICES = ("fused", "dequantize-blocks", "auto")
 DEFAULT_PREFILL_ATTENTION = "auto"
 DEQUANTIZE_BLOCK_TOKENS = 4096
 DEQUANTIZE_MIN_ROWS = 16
-# On the Linux CPU fast path a prefill chunk attends over the whole history decoded at once, through the
-# CPU attention's query-blocked softmax (engine/runtime/cpu/attention.py): past ~400k scores at once MLX's
-# CPU softmax runs at ~20 ns per score instead of ~4 (fresh allocations page-fault), and the key blocks
-# above hold every query's scores at once. Measured on SmolLM2 (KIVI 4-bit), a 512-token chunk over 4k
-# cached tokens: 21.5 s with the key blocks, 8.4 s this way (the float32 cache: 8.6 s). Up to this many
-# bytes of float32 keys and values per layer (8k tokens of SmolLM2 are 12 MB); above it, the key blocks.
+# A prefill chunk on the dequantize path attends over the whole history decoded at once (a transient copy of
+# one layer's keys and values, freed after the chunk; nothing 16-bit is kept) when it is at most this many
+# bytes: on a GPU through MLX's fused SDPA (the key blocks below materialise every query's scores), on the
+# Linux CPU fast path through its query-blocked softmax (engine/runtime/cpu/attention.py; past ~400k scores
+# at once MLX's CPU softmax runs at ~20 ns per score instead of ~4, fresh allocations page-fault). Measured on
+# SmolLM2 (KIVI 4-bit, CPU), a 512-token chunk over 4k cached tokens: 21.5 s with the key blocks, 8.4 s this
+# way (the float32 cache: 8.6 s). Above the cap (e.g. an 8B model past ~64k tokens in bf16), the key blocks.
 DENSE_HISTORY_MAX_BYTES = 256 << 20
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
@@ -352,6 +353,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codec, value arrays), in the order of `kernels/decode.py`'s codec macros; None: no kernel."""
         return None
 
+    def _kernel_key_block(self) -> int:
+        """Tokens per key scale block the decode kernel reads (KIVI's key block; others: the group size)."""
+        return self.config.group_size
+
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         """weights [B, n_kv, R, n_compressed] · compressed values -> [B, n_kv, R, Dv]."""
         raise NotImplementedError
@@ -623,8 +628,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
         n_compressed = self._n_compressed
         store = self._compressed_view() if n_compressed else {}
-        dequantize = repeats * n_queries >= DEQUANTIZE_MIN_ROWS and _prefill_dequantizes(
-            self.config.options.get("prefill_attention", DEFAULT_PREFILL_ATTENTION)
+        dequantize = _attends_decoded(
+            self.config.options.get("prefill_attention", DEFAULT_PREFILL_ATTENTION), repeats * n_queries
         )
         # Token ranges of the compressed history decoded one at a time (only on the dequantize path).
         blocks = (
@@ -633,11 +638,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             else []
         )
 
-        if dequantize and compute_dtype == mx.float32 and cpu_attention.active() and (
-            self._dense_history_bytes() <= DENSE_HISTORY_MAX_BYTES
-        ):
-            keys, values = self._dense_history(store, compute_dtype)
-            output = cpu_attention.grouped_attention(self._queries_in(queries), keys, values, scale, mask)
+        # In the queries' own dtype: a method's transform may return float32 queries (a float32 rotation),
+        # and float32 attention over the whole history ran at half the speed on an H200 (no tensor cores).
+        dense_dtype = queries.dtype
+        attend_dense = _dense_attention(dense_dtype) if dequantize else None
+        if attend_dense is not None and self._dense_history_bytes(dense_dtype) <= DENSE_HISTORY_MAX_BYTES:
+            keys, values = self._dense_history(store, dense_dtype)
+            output = attend_dense(self._queries_in(queries).astype(dense_dtype), keys, values, scale, mask)
             return self._output_out(output).astype(queries.dtype)
 
         scores = []
@@ -684,9 +691,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         output = output.reshape(batch, n_query_heads, n_queries, -1)
         return self._output_out(output).astype(queries.dtype)
 
-    def _dense_history_bytes(self) -> int:
-        """Bytes of every cached key and value in float32 (the CPU prefill path's transient copy)."""
-        return 2 * self.offset * self._n_kv_heads * max(self._k_head_dim, self._v_head_dim) * 4
+    def _dense_history_bytes(self, dtype: mx.Dtype) -> int:
+        """Bytes of every cached key and value decoded into `dtype` (the prefill path's transient copy)."""
+        return 2 * self.offset * self._n_kv_heads * max(self._k_head_dim, self._v_head_dim) * dtype.size
 
     def _dense_history(self, store: dict[str, mx.array], dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Every cached key and value, decoded into `dtype` in the method's own space (what `_queries_in`
@@ -726,7 +733,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
-        if _kernels.decode.tile_tokens(codecs[0], self.config.group_size, self._k_head_dim) is None:
+        if _kernels.decode.tile_tokens(
+            codecs[0], self.config.group_size, self._k_head_dim, self._kernel_key_block()
+        ) is None:
             return (
                 f"the decode kernel has no tile for group size {self.config.group_size} "
                 f"at head_dim {self._k_head_dim}"
@@ -777,7 +786,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             key_codec, key_arrays, value_codec, value_arrays = codecs
             plan = _kernels.plan_decode(
                 key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
-                self._k_head_dim, rows, backend,
+                self._k_head_dim, rows, backend, self._kernel_key_block(),
             )
         if self._store is not None:  # "nothing compressed yet" is rechecked until something is
             self._plan_cache = (self._store, self.config, rows, device, plan)
@@ -793,6 +802,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             (self._sink_keys, self._sink_values) if self.n_sink else None,
             (self._window_keys, self._window_values) if self.n_window else None,
             self._n_compressed,
+            self.n_duplicated,
         )
         output = self._output_out(output)
         return output if output.dtype == queries.dtype else output.astype(queries.dtype)
@@ -873,12 +883,34 @@ def _softmax(scores: mx.array) -> mx.array:
     return mx.softmax(scores, axis=-1, precise=True)
 
 
-def _prefill_dequantizes(choice: str) -> bool:
+def _dense_attention(dtype: mx.Dtype) -> Any:
+    """The attention function a prefill chunk uses over the whole decoded history on this device, or None
+    (then the key blocks): the CPU fast path's query-blocked attention, or MLX's fused SDPA on a GPU."""
+    if mx.default_device() == mx.gpu:
+        return _fast_sdpa
+    if dtype == mx.float32 and cpu_attention.active():
+        return cpu_attention.grouped_attention
+    return None
+
+
+def _fast_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _attends_decoded(choice: str, rows: int) -> bool:
+    """Whether `rows` query rows per kv head attend over decoded history (key blocks or the whole history)
+    rather than through the packed codes with quantized_matmul, for option `prefill_attention` = `choice`."""
+    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+        # MLX 0.32's CUDA quantized_matmul has no kernel for most attention shapes (measured on an H200:
+        # "No implementation for problem shape: 1533x8128x64x3", also 3x65x64x2 at 8 bits), so on CUDA the
+        # history is always decoded: for prefill chunks, and for single tokens the decode kernel declines.
+        return True
+    if rows < DEQUANTIZE_MIN_ROWS:
+        return False  # one new token: the packed codes (decoding the history per token would cost more)
     if choice == "auto":
-        # Fused prefill needs quantized_matmul for hundreds of query rows at once: fast on Metal; slow on the
-        # CPU; and MLX 0.32's CUDA backend has no kernel for it (measured on an H200: "No implementation for
-        # problem shape: 1533x8128x64x3, transpose: false"), so only Metal attends fused here.
-        return not (mx.default_device() == mx.gpu and mx.metal.is_available())
+        # Fused prefill needs quantized_matmul for hundreds of query rows at once: fast on Metal, slow on the
+        # CPU (not BLAS-backed), so only Metal attends fused.
+        return mx.default_device() == mx.cpu or not mx.metal.is_available()
     return choice == "dequantize-blocks"
 
 

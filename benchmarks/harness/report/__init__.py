@@ -61,7 +61,7 @@ ALT_TEXT = {
     "vs_mlx_lm.png": "Velox against mlx-lm's QuantizedKVCache at equal or fewer bits",
     "bytes_vs_context.png": "bytes held against context",
     "tokps_vs_context.png": "decode tok/s against context",
-    "gpu_attention.png": "GPU attention decode step against context",
+    "gpu_attention.png": "GPU attention only (not whole-model decode): time per step against context",
 }
 NO_MATPLOTLIB = "*(Figure not drawn: matplotlib is not installed; install the `bench` extra and rerun the report.)*"
 

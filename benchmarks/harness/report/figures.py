@@ -523,7 +523,8 @@ def _ratio_ticks(axis: Any) -> None:
 
 
 def figure_gpu(gpu: Source, path: Path, base: Path) -> None:
-    """Decode attention time on the GPU against context, absolute and relative to fp16."""
+    """Attention-only time of a decode step on the GPU against context, absolute and relative to fp16 (not a
+    decode speed: benchmarks/decode.py measures the whole model)."""
     plt = pyplot()
     data = gpu.data
     by_spec: dict[str, list[dict[str, Any]]] = {}
@@ -539,15 +540,15 @@ def figure_gpu(gpu: Source, path: Path, base: Path) -> None:
         axis.set_xlabel("tokens in each layer's cache (log scale)")
         axis.grid(alpha=0.25, which="major")
     axes[0].set_ylabel(f"ms per decode step ({data['shape']['layers']} layers, attention only; log scale)")
-    axes[0].set_title("time per step (lower is better)", loc="left")
+    axes[0].set_title("attention time per step (lower is better)", loc="left")
     axes[1].axhline(1, color="#000000", lw=0.8)
     _ratio_ticks(axes[1])
     axes[1].set_ylabel("time ÷ fp16's time at the same context (log scale)")
-    axes[1].set_title("relative to fp16 (below 1 = faster than fp16)", loc="left")
+    axes[1].set_title("attention time relative to fp16 (below 1 = faster than fp16)", loc="left")
     _end_labels(axes[0], left_entries, fontsize=8)
     _end_labels(axes[1], right_entries, fontsize=8)
     shape = data["shape"]
-    _caption(fig, f"Decode attention on a GPU — {data.get('gpu', data.get('device', 'GPU')).split(',')[0]}, "
+    _caption(fig, f"Attention only, not whole-model decode — {data.get('gpu', data.get('device', 'GPU')).split(',')[0]}, "
                   f"Llama-3.1-8B-shaped caches",
              f"{shape['layers']} layers, {shape['heads']} query heads on {shape['kv_heads']} kv heads, head_dim "
              f"{shape['head_dim']}, {shape['dtype']}; median of {data['steps']} steps; MLX {data['mlx']}. Dotted: "

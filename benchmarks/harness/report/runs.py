@@ -176,7 +176,7 @@ def _gpu_table(data: dict[str, Any]) -> str:
         body.append([label_of(spec), *[_gpu_cell(by_context.get(c)) for c in contexts], ratio,
                      ATTENTION_READS.get(attention_path(spec), "")])
     return f.table(["cache", *[f"@{c // 1024}k tokens: ms / bound ms" for c in contexts],
-                    f"time vs fp16 @{contexts[-1] // 1024}k", "attention reads"], body)
+                    f"attention time vs fp16 @{contexts[-1] // 1024}k", "attention reads"], body)
 
 
 def gpu(results: Results, base: Path) -> dict[str, Any] | None:

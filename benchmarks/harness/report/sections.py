@@ -163,8 +163,10 @@ def _table_config(level: Any) -> str:
 
 def _needle_text(verdict: dict[str, Any] | None) -> str:
     """A candidate's needle shortfall against fp16 in points ± SE, pooled then per haystack length."""
-    if not verdict or not verdict.get("measured"):
+    if not verdict:
         return "—"
+    if not verdict["measured"]:
+        return "not measured"
     groups = verdict["by_group"]
     pooled = groups["all"]
     lengths = sorted((k for k in groups if k != "all"), key=int)
@@ -174,8 +176,10 @@ def _needle_text(verdict: dict[str, Any] | None) -> str:
 
 
 def _agreement_text(verdict: dict[str, Any] | None) -> str:
-    if not verdict or not verdict.get("measured"):
+    if not verdict:
         return "—"
+    if not verdict["measured"]:
+        return "not measured"
     se = "no per-prompt SE" if math.isinf(verdict["se"]) else f"± {100 * verdict['se']:.1f}"
     if verdict["best"] is not None and verdict["behind"] == 0:
         return f"{100 * verdict['match_rate']:.1f} % (the best measured)"
@@ -213,7 +217,7 @@ def _ranking_why(row: dict[str, Any], choice: dict[str, Any], best_kl: float) ->
         if "needle" in use and not use["needle"]["passes"]:
             return "turned away: needle " + ("not measured" if not use["needle"]["measured"] else "recall")
         if "agreement" in use and not use["agreement"]["passes"]:
-            return "turned away: greedy agreement " + ("not measured" if not use["agreement"]["measured"] else "behind")
+            return "turned away: greedy agreement behind"
     if row["mean_kl"] <= best_kl + TIE_NATS:
         return f"tied within {TIE_NATS:g} nats; loses on attention cost or size"
     return ""

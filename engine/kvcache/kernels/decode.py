@@ -67,10 +67,10 @@ _CODEC_MACROS = {
   for (int i_ = 0; i_ < 8; ++i_) out[i_] = s_ * U2F(c_[i_]) + b_; \\
   mul = 1.0f; }}
 """,
-    # KIVI keys: per channel, over blocks of G tokens, stored transposed: codes [B,H,D,cap·bits/32], scales
-    # and biases [B,H,D,cap/G]. Read channel-major straight from device memory, each lane's 8 channels
+    # KIVI keys: per channel, over blocks of GK tokens (the key block; G by default), stored transposed:
+    # codes [B,H,D,cap·bits/32], scales and biases [B,H,D,cap/GK]. Read channel-major straight from device memory, each lane's 8 channels
     # are 8 rows and 24 scattered loads a token, so they are staged instead (STAGE_KEYS, once per tile of CT
-    # tokens, CT <= G so one scale per channel): the tile's codes, token-major as bytes in shared memory
+    # tokens, CT <= GK so one scale per channel): the tile's codes, token-major as bytes in shared memory
     # (coalesced: a warp reads whole 32-byte row segments), and q·s per channel and Σ q·b per row (the
     # keys' scales and biases folded into the query: q·x = Σ (q·s)·code + Σ q·b). LOAD_KEY then reads a
     # token's 8 codes as two shared words.
@@ -79,7 +79,7 @@ _CODEC_MACROS = {
 #define QSLOTS 2
 #define KC_WORDS (CT * D / 4)
 #define STAGE_KEYS(tile_c) {{ \\
-  const int g_ = (tile_c) / G; \\
+  const int g_ = (tile_c) / GK; \\
   for (int i_ = TID; i_ < R * D; i_ += NT) \\
     sh_q[R * D + i_] = sh_q[i_] * (float){P}1[((long)bh * D + i_ % D) * {P}1_shape[3] + g_]; \\
   for (int r_ = TID / 32; r_ < R; r_ += NT / 32) {{ \\
@@ -164,8 +164,9 @@ INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
 """
 
 # The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group),
-# CT (tokens per tile of the compressed range), NS (sink tokens), HW (1 if a window is passed), U (tokens
-# per subgroup in flight).
+# GK (KIVI's key block), CT (tokens per tile of the compressed range), CS (leading compressed tokens not
+# attended: KIVI's copies of the sink tokens, whose 16-bit originals are the sinks), NS (sink tokens),
+# HW (1 if a window is passed), U (tokens per subgroup in flight).
 _ATTEND_BODY = """
   constexpr int TPT = D / 8;          // lanes per token
   constexpr int NSG = NT / TPT;       // subgroups: tokens in flight per threadgroup and unrolled step
@@ -228,7 +229,7 @@ _ATTEND_BODY = """
       vmul[u] = 1.0f;
       if (comp) {
         const int c = c_begin + v;
-        valid[u] = c < c_end;
+        valid[u] = c < c_end && c >= CS;
         if (valid[u]) {
           LOAD_KEY(c, kx[u], kmul[u]);
           LOAD_VALUE(c, vx[u], vmul[u]);
@@ -403,14 +404,15 @@ def threads_for(head_dim: int) -> int:
     return max(THREADS, head_dim)
 
 
-def tile_tokens(key: Codec, group_size: int, head_dim: int) -> int | None:
+def tile_tokens(key: Codec, group_size: int, head_dim: int, key_block: int | None = None) -> int | None:
     """CT: compressed tokens per tile (splits are whole tiles); None where no tile fits the layout.
 
     A tile must hold whole iterations (UNROLL tokens per subgroup); staged KIVI keys also need a tile
-    inside one block of G tokens (one scale per channel) and of at most 64 tokens (shared memory).
+    inside one key block (`key_block`, default the group size: one scale per channel) and of at most 64
+    tokens (shared memory).
     """
     per_iteration = UNROLL * threads_for(head_dim) // (head_dim // 8)
-    tile = min(group_size, 64) if key.kind == "kivi_keys" else 64
+    tile = min(key_block or group_size, 64) if key.kind == "kivi_keys" else 64
     if tile % per_iteration or tile % 8:
         return None
     return tile
@@ -471,12 +473,14 @@ def plan_decode(
     head_dim: int,
     rows: int,
     backend: str,
+    key_block: int | None = None,
 ) -> DecodePlan:
     """The DecodePlan of one cache (the caller checked `tile_tokens` is not None)."""
-    tile = tile_tokens(key_codec, group_size, head_dim)
+    tile = tile_tokens(key_codec, group_size, head_dim, key_block)
     assert tile is not None
     threads = threads_for(head_dim)
-    template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size), ("CT", tile), ("U", UNROLL))
+    template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size), ("GK", key_block or group_size),
+                ("CT", tile), ("U", UNROLL))
     return DecodePlan(
         attend=kernel(attend_source(key_codec, value_codec), backend),
         merge=kernel(MERGE_SOURCE, backend),
@@ -495,6 +499,7 @@ def decode_attention(
     sink: tuple[mx.array, mx.array] | None,
     window: tuple[mx.array, mx.array] | None,
     n_compressed: int,
+    n_skipped: int = 0,
 ) -> mx.array:
     """Attention of one query token per sequence over sink + compressed + window.
 
@@ -503,6 +508,7 @@ def decode_attention(
     `sink`/`window` are 16-bit (keys, values) [B, n_kv, n, D] holding exactly their tokens; the compressed
     arrays in the plan are the cache's whole buffers (capacity >= n_compressed tokens: only the first
     n_compressed are read, and passing the buffers rather than views avoids a copy of the history a step).
+    The first `n_skipped` compressed tokens are not attended (copies of the sinks kept in a block stream).
     """
     batch, n_heads, _, head_dim = queries.shape
     rows = n_heads // n_kv
@@ -517,7 +523,7 @@ def decode_attention(
 
     part_m, part_l, part_o = plan.attend(
         inputs=[queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays],
-        template=[*plan.template, ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
+        template=[*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)],

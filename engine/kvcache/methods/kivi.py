@@ -264,15 +264,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
         )
 
-    @classmethod
-    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
-        # The kernel reads one G for the values' channel groups and the keys' token blocks, and attends to
-        # every compressed token: it has no variant for separate key blocks or the sinks' stream copies.
-        if cls.key_block(config) != config.group_size:
-            return f"the decode kernel reads KIVI keys in blocks of the group size, not key_block={cls.key_block(config)}"
-        if cls.sinks_in_stream(config):
-            return "the decode kernel has no variant for KIVI's sink copies in the block stream"
-        return None
+    def _kernel_key_block(self) -> int:
+        return self.key_block(self.config)
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
@@ -365,7 +358,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         compressed_cut = n - self.n_window
         if compressed_cut <= 0 or compressed_cut >= self._n_compressed:
             return n  # only window tokens go, or every compressed block (sinks are kept token by token)
-        return n + (self._n_compressed - compressed_cut) % self.config.group_size
+        return n + (self._n_compressed - compressed_cut) % self.token_block
 
     def iter_dense(self, chunk_tokens: int = 1024) -> Iterator[tuple[mx.array, mx.array]]:
         if chunk_tokens <= 0:

@@ -42,6 +42,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         "PolarQuant: recursive polar transform of the rotated vector, level-1 angles at b+1 bits (uniform), "
         "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; dequantized per step."
     )
+    encode_kernel: ClassVar[bool] = False  # its polar angles is not what kernels/encode.py computes
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:

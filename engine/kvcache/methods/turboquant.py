@@ -72,6 +72,10 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
 
     needs_calibration: ClassVar[bool] = False
     attention_path: ClassVar[str] = "dequantize-per-step"
+    # Whether kernels/encode.py's fused encode (norm, rotation, nearest centroid per stage, the residual
+    # stage's scale) computes exactly this method's `_encode_role`; methods with their own unit encoding
+    # (turboquant_prod's residual sketch, polarquant's angles) say False and encode through MLX ops.
+    encode_kernel: ClassVar[bool] = True
 
     # ----- what a codebook method declares ----------------------------------------------------------------
 
@@ -177,7 +181,7 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         # The fused kernel wherever one runs ("auto" and "require"; the "require" error, if any, comes from
         # the decode step: encoding is the same function either way).
         mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
-        backend = available_backend() if mode != "off" else None
+        backend = available_backend() if mode != "off" and self.encode_kernel else None
         if backend is not None and keys.ndim == 4:
             return {**self._kernel_encode(keys, "key", backend), **self._kernel_encode(values, "value", backend)}
         return {**self._encode_role(keys, "key"), **self._encode_role(values, "value")}

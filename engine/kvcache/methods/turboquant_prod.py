@@ -46,6 +46,7 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
         "TurboQuant-prod: keys as (b-1)-bit TurboQuant-MSE codes plus a 1-bit QJL sketch of the residual "
         "(unbiased inner products), values as b-bit TurboQuant-MSE; dequantized chunk by chunk each step."
     )
+    encode_kernel: ClassVar[bool] = False  # its keys' residual sketch is not what kernels/encode.py computes
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:
