@@ -37,8 +37,8 @@ _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32
 
 # `options["prefill_attention"]` of compressed caches. "fused" always reads the packed codes
 # (e.g. with mx.quantized_matmul). "dequantize-blocks" decodes the compressed history in blocks of
-# DEQUANTIZE_BLOCK_TOKENS for query blocks of at least DEQUANTIZE_MIN_ROWS rows (prefill chunks; never
-# single-token decoding) and multiplies with ordinary matmuls: on a CPU, where MLX's quantized_matmul is
+# DEQUANTIZE_BLOCK_TOKENS for query blocks of at least DEQUANTIZE_MIN_ROWS rows (prefill chunks; single
+# tokens only on CUDA, where the decode kernel is not used: see `_attends_decoded`) and multiplies with ordinary matmuls: on a CPU, where MLX's quantized_matmul is
 # not BLAS-backed, that is ~3x faster for 64-token chunks (measured on SmolLM2 shapes). The decoded block
 # is transient (freed after use); nothing 16-bit is kept. "auto" picks "fused" on Metal, where
 # quantized_matmul is the fast kernel, and "dequantize-blocks" elsewhere (CPU; CUDA, see below); it is the
