@@ -610,6 +610,82 @@ def test_level_rule_budgets_eligibility_and_ties() -> None:
         "8": "affine:k8v8:g64", "4": "kivi:k4v4:g64:s4:key_block=128", "3": "kivi:k3v3:g64:key_block=128"}
 
 
+def _needle(recalls: dict[str, list[bool]], length: int = 4096) -> dict:
+    """A needle part of the quality sweep: trial i of every spec is exact as recalls[spec][i] says."""
+    n = len(next(iter(recalls.values())))
+    return {"trials": [{"length": length, "results": {spec: {"exact": hits[i]} for spec, hits in recalls.items()}}
+                       for i in range(n)]}
+
+
+def _agreement(rates: dict[str, list[float]]) -> dict:
+    return {"rows": [{"spec": spec, "match_rate": sum(r) / len(r), "match_by_prompt": r}
+                     for spec, r in rates.items()]}
+
+
+def test_level_rule_turns_away_a_lower_kl_cache_that_loses_the_needle() -> None:
+    """4-bit allows 5 points of needle recall: a lower-KL cache 30 points behind fp16 over 40 paired trials is
+    turned away; the same shortfall over 2 trials is within its standard error, so KL decides."""
+    from benchmarks.harness.levels import needle_verdict, select_levels
+
+    rows = [_row("fp16", 0.0), _row("kivi:k4v4:g64", 0.03), _row("affine:k4v4:g64", 0.11)]
+    agreement = _agreement({s: [0.5, 0.5] for s in ("fp16", "kivi:k4v4:g64", "affine:k4v4:g64")})
+    many = _needle({"fp16": [True] * 40, "kivi:k4v4:g64": [True] * 28 + [False] * 12,
+                    "affine:k4v4:g64": [True] * 39 + [False]})
+    choice = select_levels(rows, many, agreement)["4"]
+    assert choice["row"]["spec"] == "affine:k4v4:g64" and choice["meets_use"]
+    assert choice["use"]["kivi:k4v4:g64"]["needle"]["by_group"]["all"]["shortfall"] == pytest.approx(0.3)
+    assert not choice["use"]["kivi:k4v4:g64"]["needle"]["passes"]
+    few = _needle({"fp16": [True, True], "kivi:k4v4:g64": [True, False], "affine:k4v4:g64": [True, True]})
+    assert select_levels(rows, few, agreement)["4"]["row"]["spec"] == "kivi:k4v4:g64"
+    # The 3-bit level allows 15 points: a 10-point shortfall (4 of 40) is fine there, not at 4 bits.
+    ten = _needle({"fp16": [True] * 40, "kivi:k4v4:g64": [True] * 36 + [False] * 4})
+    assert needle_verdict(ten, "kivi:k4v4:g64", 15.0)["passes"]
+    assert not needle_verdict(ten, "kivi:k4v4:g64", 5.0)["passes"]
+    # The old result syntax names the same cache, and one haystack length may fail alone.
+    lengths = {"trials": _needle({"fp16": [True] * 40, "kivi:4/4:64": [True] * 40}, 1024)["trials"]
+               + _needle({"fp16": [True] * 20, "kivi:4/4:64": [False] * 20}, 8192)["trials"]}
+    verdict = needle_verdict(lengths, "kivi:k4v4:g64", 15.0)
+    assert verdict["by_group"]["1024"]["shortfall"] == 0 and verdict["by_group"]["8192"]["fails"]
+    assert not verdict["passes"]
+
+
+def test_level_rule_turns_away_a_cache_behind_on_greedy_agreement() -> None:
+    """A lower-KL cache whose greedy match rate falls behind the best candidate's by more than the paired
+    standard error is turned away; behind by less than it (noisy prompts), KL decides."""
+    from benchmarks.harness.levels import select_levels
+
+    rows = [_row("fp16", 0.0), _row("kivi:k4v4:g64", 0.03), _row("affine:k4v4:g64", 0.11)]
+    needle = _needle({s: [True] * 10 for s in ("fp16", "kivi:k4v4:g64", "affine:k4v4:g64")})
+    steady = _agreement({"kivi:k4v4:g64": [0.2, 0.25, 0.2, 0.15], "affine:k4v4:g64": [0.4, 0.5, 0.45, 0.4]})
+    choice = select_levels(rows, needle, steady)["4"]
+    assert choice["row"]["spec"] == "affine:k4v4:g64"
+    verdict = choice["use"]["kivi:k4v4:g64"]["agreement"]
+    assert verdict["behind"] == pytest.approx(0.2375) and verdict["behind"] > verdict["se"]
+    noisy = _agreement({"kivi:k4v4:g64": [0.0, 0.9, 0.0, 0.9], "affine:k4v4:g64": [0.9, 0.0, 0.9, 0.2]})
+    assert select_levels(rows, needle, noisy)["4"]["row"]["spec"] == "kivi:k4v4:g64"
+    # Without per-prompt figures no difference can be told from noise; nor can it for a candidate not measured.
+    bare = {"rows": [{"spec": "kivi:k4v4:g64", "match_rate": 0.1}, {"spec": "affine:k4v4:g64", "match_rate": 0.9}]}
+    assert select_levels(rows, needle, bare)["4"]["row"]["spec"] == "kivi:k4v4:g64"
+    only_affine = _agreement({"affine:k4v4:g64": [0.1, 0.1]})
+    choice = select_levels(rows, needle, only_affine)["4"]
+    assert choice["row"]["spec"] == "kivi:k4v4:g64" and not choice["use"]["kivi:k4v4:g64"]["agreement"]["measured"]
+    # A candidate never measured on the needle is turned away: the needle target is absolute.
+    no_kivi = _needle({"fp16": [True] * 10, "affine:k4v4:g64": [True] * 10})
+    assert select_levels(rows, no_kivi, steady)["4"]["row"]["spec"] == "affine:k4v4:g64"
+
+
+def test_level_rule_keeps_the_lowest_kl_where_nothing_meets_the_use_targets() -> None:
+    from benchmarks.harness.levels import select_levels
+
+    rows = [_row("fp16", 0.0), _row("kivi:k4v4:g64", 0.03), _row("affine:k4v4:g64", 0.11),
+            _row("kivi:k2v2:g64", 1.0)]
+    needle = _needle({"fp16": [True] * 40, "kivi:k4v4:g64": [False] * 40, "affine:k4v4:g64": [False] * 40,
+                      "kivi:k2v2:g64": [False] * 40})
+    chosen = select_levels(rows, needle, _agreement({s: [0.5, 0.5] for s in ("kivi:k4v4:g64", "kivi:k2v2:g64")}))
+    assert chosen["4"]["row"]["spec"] == "kivi:k4v4:g64" and not chosen["4"]["meets_use"]
+    assert chosen["2"]["row"]["spec"] == "kivi:k2v2:g64" and chosen["2"]["meets_use"]  # 2-bit: no needle target
+
+
 def test_level_budgets_are_counted_where_the_app_counts_them() -> None:
     from benchmarks.harness import levels
     from engine.planning import recommend
@@ -619,14 +695,18 @@ def test_level_budgets_are_counted_where_the_app_counts_them() -> None:
 
 
 def test_level_table_follows_the_committed_quality_sweep() -> None:
-    """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json."""
+    """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json
+    (KL) and the committed needle and agreement runs."""
     from benchmarks.harness.common import ROOT
     from benchmarks.harness.levels import level_config, measured_figures, select_levels
+    from benchmarks.harness.report import load_results
     from engine.planning.recommend import level_by_key
 
-    committed = ROOT / "benchmarks" / "results" / "quality.json"
-    rows = json.loads(committed.read_text())["perplexity"]["rows"]
-    chosen = select_levels(rows)
+    results = load_results(ROOT / "benchmarks" / "results")  # the needle and agreement runs BENCHMARKS.md shows
+    rows = json.loads((ROOT / "benchmarks" / "results" / "quality.json").read_text())["perplexity"]["rows"]
+    needle, agreement = results.best("quality", "needle"), results.best("quality", "agreement")
+    assert needle is not None and agreement is not None
+    chosen = select_levels(rows, needle.data["needle"], agreement.data["agreement"])
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
         assert level_by_key(key).config == level_config(choice["row"]), key
@@ -787,3 +867,17 @@ def test_committed_decode_figure_is_what_plot_decode_draws() -> None:
     expected = plot_decode.render_svg(record, "benchmarks/results/decode-h200.json")
     assert plot_decode.DEFAULT_OUT.read_text(encoding="utf-8") == expected, (
         "docs/figures/decode-h200.svg is stale: run `python benchmarks/plot_decode.py`")
+
+
+def test_needle_grid_is_sized_from_the_command_line() -> None:
+    """`--needle-seeds 4 --needle-lengths 1024,4096` give 40 trials per cache (4 seeds x 5 depths x 2 lengths)."""
+    import argparse
+
+    from benchmarks.harness.cli import Context, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plan = Context(parser.parse_args(["quality", "--needle-seeds", "4", "--needle-lengths", "1024,4096"])).plan
+    assert plan.needle_seeds == (0, 1, 2, 3) and plan.needle_lengths == (1024, 4096)
+    assert len(plan.needle_seeds) * len(plan.needle_depths) * len(plan.needle_lengths) == 40
+    assert Context(parser.parse_args(["quality"])).plan.needle_seeds == (0, 1)

@@ -31,6 +31,9 @@ CONFIGS = {
     "affine-k4v2-window": KVCacheConfig("affine", 4, 2, group_size=32, residual_window=16, sink_tokens=4),
     "rotated-3": KVCacheConfig("rotated", 3, group_size=32),
     "rotated-4-window": KVCacheConfig("rotated", 4, group_size=32, residual_window=8, sink_tokens=2),
+    "kivi-rotated-values": KVCacheConfig("kivi", 4, group_size=32, sink_tokens=2, options={"rotate_values": True}),
+    "kivi-plain-hadamard-values": KVCacheConfig("kivi", 3, group_size=32, options={"rotate_values": "plain"}),
+    "kivi-clip-search": KVCacheConfig("kivi", 4, group_size=32, sink_tokens=2, options={"clip_search": True}),
 }
 
 

@@ -473,3 +473,82 @@ def test_kivi_key_block_option_halves_the_key_scale_overhead() -> None:
     assert exact.nbytes == kivi.expected_nbytes(exact.config, 64, 256, 3)
     with pytest.raises(ConfigError, match="key block"):
         KVCacheConfig("kivi", 4, options={"key_block": 48}).validate(64)
+
+
+def test_kivi_rotate_values_spreads_a_value_outlier_channel_and_counts_its_signs() -> None:
+    """rotate_values stores values rotated (keys untouched): with one value channel 30x the others, its
+    per-token groups quantize closer; attention on the codes equals attention on the dense export, which
+    is back in the model's space; the rotation's signs are held and counted."""
+    kivi = get_method("kivi")
+    plain_config = KVCacheConfig("kivi", 3, group_size=64)
+    config = KVCacheConfig("kivi", 3, group_size=64, sink_tokens=2, options={"rotate_values": True})
+    assert kivi.constant_bytes(config, 64) == 64 * 4 and kivi.constant_bytes(plain_config, 64) == 0
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=23)
+    values = values * mx.where(mx.arange(64) == 5, 30.0, 1.0)
+    errors = {}
+    for name, options in (("plain", {}), ("rotated", {"rotate_values": True})):
+        cache = filled(make_cache("kivi", 3, group_size=64, sink_tokens=2, options=options), keys, values)
+        dense_keys, dense_values = cache.to_dense()
+        errors[name] = relative_error(dense_values, values)
+        assert relative_error(dense_keys, keys) < 0.2  # keys are quantized the same way either way
+        queries = queries_for(4, 5, 64)
+        for mask in ("causal", None):
+            output = cache.attention(queries, cache, cache, 0.125, mask)
+            assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, mask)) < 2e-3
+        assert cache.nbytes == array_bytes(cache)
+    assert errors["rotated"] < 0.7 * errors["plain"], errors  # measured 0.11 against 0.18
+    rotated = filled(make_cache("kivi", 3, group_size=64, options={"rotate_values": True}), keys[..., :256, :],
+                     values[..., :256, :])
+    assert rotated.nbytes == kivi.expected_nbytes(rotated.config, 64, 256, 2)
+    assert kivi.kernel_declines(KVCacheConfig("kivi", 4, group_size=64, options={"rotate_values": True})) is None
+    with pytest.raises(ConfigError, match="rotate_values"):
+        KVCacheConfig("kivi", 4, options={"rotate_values": 1}).validate(64)
+
+
+def test_kivi_plain_value_rotation_holds_nothing_and_keeps_the_bits_of_kivi() -> None:
+    """rotate_values=plain (H/√d, no signs) spreads the outlier like the randomized one, holds no constant, so
+    kivi:k4v4:g64 keeps exactly 4.5 bits at d=128 and the decode kernel still takes it."""
+    kivi = get_method("kivi")
+    config = KVCacheConfig.parse("kivi:k4v4:g64:rotate_values=plain")
+    assert kivi.effective_bits_per_value(config, 128, 4096, 8) == 4.5 and kivi.kernel_declines(config) is None
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=23)
+    values = values * mx.where(mx.arange(64) == 5, 30.0, 1.0)
+    plain = filled(make_cache("kivi", 3, group_size=64, options={}), keys, values)
+    cache = filled(make_cache("kivi", 3, group_size=64, options={"rotate_values": "plain"}), keys, values)
+    assert cache.nbytes == plain.nbytes == array_bytes(cache)
+    dense_keys, dense_values = cache.to_dense()
+    assert relative_error(dense_values, values) < 0.7 * relative_error(plain.to_dense()[1], values)
+    queries = queries_for(4, 5, 64)
+    output = cache.attention(queries, cache, cache, 0.125, "causal")
+    assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, "causal")) < 2e-3
+    with pytest.raises(ConfigError, match="2\\^k"):
+        KVCacheConfig("kivi", 4, group_size=32, options={"rotate_values": "plain"}).validate(160)  # 20·2^3
+
+
+def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
+    """clip_search picks, per group, the clipping with the least squared error (1.0 is among them, so no group
+    gets worse): heavy-tailed keys and values decode closer, in arrays of the same shapes and bytes."""
+    from engine.kvcache.methods.affine import affine_dequantize, affine_quantize
+    from engine.kvcache.methods.kivi import clipped_quantize
+
+    heavy = mx.random.normal((2, 3, 64, 256), key=mx.random.key(3)) ** 3  # heavy tails, as real keys have
+    for bits in (2, 3, 4):
+        plain, clipped = affine_quantize(heavy, "k", 64, bits), clipped_quantize(heavy, "k", 64, bits)
+        assert {n: a.shape for n, a in plain.items()} == {n: a.shape for n, a in clipped.items()}
+        groups = (2, 3, 64, 4, 64)
+        plain_error = mx.square(affine_dequantize(plain, "k", 64, bits, float32_scales=True) - heavy).reshape(groups)
+        clipped_error = mx.square(affine_dequantize(clipped, "k", 64, bits, float32_scales=True) - heavy).reshape(groups)
+        assert mx.all(clipped_error.sum(-1) <= plain_error.sum(-1) * (1 + 1e-6)).item()
+        assert clipped_error.sum().item() < 0.99 * plain_error.sum().item(), bits  # 0.89, 0.95, 0.98 measured
+    keys, values = random_kv(n_kv_heads=2, n_tokens=256, head_dim=64, seed=24)
+    keys, values = keys**3, values**3
+    caches = {clip: filled(make_cache("kivi", 3, group_size=64, options={"clip_search": clip}), keys, values)
+              for clip in (False, True)}
+    assert caches[True].nbytes == caches[False].nbytes == array_bytes(caches[True])
+    errors = {clip: relative_error(mx.concatenate(cache.to_dense(), -1), mx.concatenate([keys, values], -1))
+              for clip, cache in caches.items()}
+    assert errors[True] < errors[False], errors
+    config = KVCacheConfig.parse("kivi:k4v4:g64:clip_search=true")
+    assert get_method("kivi").kernel_declines(config) is None
+    with pytest.raises(ConfigError, match="clip_search"):
+        KVCacheConfig("kivi", 4, options={"clip_search": "yes"}).validate(64)

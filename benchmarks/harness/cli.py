@@ -138,6 +138,11 @@ class Context:
         self.plan = Plan.quick_plan() if args.quick else Plan()
         if getattr(args, "rounds", None):
             self.plan = replace(self.plan, rounds=args.rounds)
+        # A denser needle grid, so a recall difference the level rule acts on can clear its standard error.
+        if getattr(args, "needle_seeds", None):
+            self.plan = replace(self.plan, needle_seeds=tuple(range(args.needle_seeds)))
+        if getattr(args, "needle_lengths", None):
+            self.plan = replace(self.plan, needle_lengths=tuple(int(n) for n in args.needle_lengths.split(",")))
         self.out = Path(args.out) if args.out else default_out_dir()
         self.jobs = max(1, args.jobs)
         self._model_path: str | None = args.model
@@ -550,6 +555,10 @@ def _add_harness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--specs", default=None, help="comma-separated cache specs instead of the defaults")
     parser.add_argument("--parts", default=None, help=f"quality parts to run ({','.join(QUALITY_PARTS)})")
     parser.add_argument("--rounds", type=int, default=None, help="speed: rounds per config (default 3, quick 1)")
+    parser.add_argument("--needle-seeds", type=int, default=None,
+                        help="needle: seeds 0..N-1, 5 depths x each length per seed (default 2, quick 1)")
+    parser.add_argument("--needle-lengths", default=None,
+                        help="needle: comma-separated prompt lengths (default 1024,2048,4096,8192)")
     parser.add_argument("--no-peers", action="store_true", help="skip the veloxquant-mlx peer (no venv is made)")
     parser.add_argument("--peer-venv", default=None,
                         help="folder of the veloxquant-mlx peer's venv, made on first use (default: under the user "

@@ -14,19 +14,37 @@ Only methods whose decoding reads the packed codes directly (`attention_path == 
 and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving the slider would feel. For the
 same reason a configuration the GPU decode kernel declines (`kernel_declines`; none today: it reads KIVI's own
 key blocks and skips its sinks' stream copies) is not eligible: on a GPU it would decode without the kernel.
+
+A level is also chosen on use, not only on KL (issue 12): where the needle and greedy-agreement parts of the
+quality sweep are given, a candidate must
+* have been measured on the needle and keep its recall within `NEEDLE_POINTS` of fp16's (4-bit: 5 points, 3-bit:
+  15; the 2-bit level has no needle target), pooled over every trial and at each haystack length (1k-8k tokens):
+  a candidate is turned away only when its shortfall beyond those points is larger than the shortfall's standard
+  error (trials paired with fp16, so a thin grid cannot turn a candidate away on noise);
+* not fall behind the best greedy match rate among the measured candidates still standing by more than the
+  standard error of that difference (prompts paired). This is a comparison, so only a measured shortfall acts:
+  a candidate not measured, or a run that kept no per-prompt figures, passes.
+Among those, the lowest KL wins as above. Where no candidate meets them, the level keeps the lowest-KL candidate
+and records that it misses them (`meets_use` False), so the slider never loses a level to a thin run.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+from engine.errors import ConfigError
 
 if TYPE_CHECKING:  # engine.kvcache loads MLX (see benchmarks/harness/cli.py)
     from engine.kvcache.config import KVCacheConfig
 
 LEVEL_BUDGET_BITS = {"8": 8.5, "4": 4.5, "3": 3.5, "2": 2.5}
 TIE_NATS = 0.001
+# Needle recall a level may lose against fp16, in points (issue 12's targets); None: not weighed.
+NEEDLE_POINTS: dict[str, float | None] = {"8": 5.0, "4": 5.0, "3": 15.0, "2": None}
+REFERENCE = "fp16"
 # Where budgets are counted: the values of engine.planning.recommend.BUDGET_* (not imported: that module loads
 # MLX, which the harness must not before the runtime is prepared; tests/test_bench.py checks they agree).
 REFERENCE_HEAD_DIM = 128
@@ -65,19 +83,121 @@ def eligible(row: dict[str, Any]) -> bool:
     return method.kernel_declines(read_result_spec(row["spec"]).velox_config()) is None
 
 
-def select_levels(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """For each level key: the chosen quality row, its bits at d=128, and the runner-up candidates."""
+def _named(names: Sequence[str], spec_text: str) -> str | None:
+    """The name among `names` (a result file's spec texts, in either syntax) that builds the cache `spec_text`."""
+    from benchmarks.harness.specs import read_result_spec, same_cache
+
+    target = read_result_spec(spec_text)
+    for name in names:
+        try:
+            if same_cache(read_result_spec(name), target):
+                return name
+        except ConfigError:  # a name of a method no longer registered matches nothing
+            continue
+    return None
+
+
+def _shortfall(reference: Sequence[float], mine: Sequence[float]) -> tuple[float, float]:
+    """Mean of reference - mine over paired units, and its standard error (inf with one unit)."""
+    diff = [a - b for a, b in zip(reference, mine, strict=True)]
+    mean = sum(diff) / len(diff)
+    if len(diff) < 2:
+        return mean, math.inf
+    variance = sum((d - mean) ** 2 for d in diff) / (len(diff) - 1)
+    return mean, math.sqrt(variance / len(diff))
+
+
+def needle_verdict(needle: dict[str, Any], spec_text: str, points: float) -> dict[str, Any]:
+    """How far a cache's needle recall falls short of fp16's, pooled and per haystack length (trials paired,
+    in recall fractions), and whether it passes: no shortfall beyond `points` larger than its standard error."""
+    trials = needle.get("trials", [])
+    names = sorted({name for t in trials for name in t["results"]})
+    name = _named(names, spec_text)
+    paired = [t for t in trials if name is not None and "error" not in t["results"].get(name, {"error": 1})
+              and "error" not in t["results"].get(REFERENCE, {"error": 1})]
+    if not paired:
+        return {"measured": False, "passes": False}
+    groups: dict[str, list[dict[str, Any]]] = {"all": paired}
+    for trial in paired:
+        groups.setdefault(str(trial["length"]), []).append(trial)
+    figures = {}
+    for group, chosen in groups.items():
+        shortfall, se = _shortfall([float(t["results"][REFERENCE]["exact"]) for t in chosen],
+                                   [float(t["results"][name]["exact"]) for t in chosen])
+        figures[group] = {"shortfall": shortfall, "se": se, "trials": len(chosen),
+                          "fails": shortfall - points / 100 > se}
+    return {"measured": True, "passes": not any(g["fails"] for g in figures.values()), "by_group": figures}
+
+
+def _agreement_rows(agreement: dict[str, Any], spec_texts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    rows = agreement.get("rows", [])
+    names = [row["spec"] for row in rows]
+    out = {}
+    for text in spec_texts:
+        name = _named(names, text)
+        if name is not None:
+            out[text] = next(row for row in rows if row["spec"] == name)
+    return out
+
+
+def agreement_verdicts(agreement: dict[str, Any], spec_texts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per candidate: its greedy match rate, how far it falls behind the best candidate's (paired over prompts)
+    with that difference's standard error, and whether it passes (behind by no more than the standard error)."""
+    rows = _agreement_rows(agreement, spec_texts)
+    # Not measured: nothing shows it behind, so it passes (the needle target, absolute, does need a measurement).
+    verdicts: dict[str, dict[str, Any]] = {text: {"measured": False, "passes": True} for text in spec_texts}
+    if not rows:
+        return verdicts
+    best_text = max(rows, key=lambda text: rows[text]["match_rate"])
+    best = rows[best_text]
+    for text, row in rows.items():
+        behind = best["match_rate"] - row["match_rate"]
+        if "match_by_prompt" in row and "match_by_prompt" in best:
+            behind, se = _shortfall(best["match_by_prompt"], row["match_by_prompt"])
+        else:
+            se = math.inf  # no per-prompt figures: the difference cannot be told from noise
+        verdicts[text] = {"measured": True, "match_rate": row["match_rate"], "best": best_text, "behind": behind,
+                          "se": se, "passes": behind <= se}
+    return verdicts
+
+
+def _kl_choice(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The lowest-KL row; rows within TIE_NATS of it tie, and the one cheaper to attend with, then smaller, wins."""
+    best_kl = min(row["mean_kl"] for row in rows)
+    tied = [row for row in rows if row["mean_kl"] <= best_kl + TIE_NATS]
+    tied.sort(key=lambda r: (_ATTENTION_EXTRA.get(r["method"], 2), r["bits_d128"], r["mean_kl"]))
+    return tied[0]
+
+
+def select_levels(
+    rows: Sequence[dict[str, Any]], needle: dict[str, Any] | None = None, agreement: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """For each level key: the chosen quality row, its bits at d=128, the runner-up candidates and, where the
+    quality sweep's `needle` and `agreement` parts are given, each candidate's verdicts on them (`use`) and
+    whether the chosen row meets them (`meets_use`)."""
     candidates = [dict(row, bits_d128=budget_bits(row["spec"])) for row in rows if eligible(row)]
     chosen: dict[str, dict[str, Any]] = {}
     for key, budget in LEVEL_BUDGET_BITS.items():
         fitting = [row for row in candidates if row["bits_d128"] <= budget + 1e-9]
         if not fitting:
             continue
-        best_kl = min(row["mean_kl"] for row in fitting)
-        tied = [row for row in fitting if row["mean_kl"] <= best_kl + TIE_NATS]
-        tied.sort(key=lambda r: (_ATTENTION_EXTRA.get(r["method"], 2), r["bits_d128"], r["mean_kl"]))
         ranked = sorted(fitting, key=lambda r: r["mean_kl"])
-        chosen[key] = {"row": tied[0], "budget": budget, "ranked": ranked}
+        choice: dict[str, Any] = {"budget": budget, "ranked": ranked, "use": {}, "meets_use": True}
+        standing = fitting
+        points = NEEDLE_POINTS.get(key)
+        if needle is not None and points is not None:
+            for row in fitting:
+                choice["use"].setdefault(row["spec"], {})["needle"] = needle_verdict(needle, row["spec"], points)
+            standing = [row for row in standing if choice["use"][row["spec"]]["needle"]["passes"]]
+        if agreement is not None:
+            # Compared with the best of those still standing; where none is, with the best of all (shown only).
+            verdicts = agreement_verdicts(agreement, [row["spec"] for row in standing or fitting])
+            for text, verdict in verdicts.items():
+                choice["use"].setdefault(text, {})["agreement"] = verdict
+            standing = [row for row in standing if verdicts[row["spec"]]["passes"]]
+        if not standing:
+            standing, choice["meets_use"] = fitting, False
+        chosen[key] = {"row": _kl_choice(standing), **choice}
     return chosen
 
 

@@ -302,6 +302,8 @@ def combine_agreement(generations: dict[str, list[list[int]]], specs: Sequence[C
             "prompts": len(divergences),
             "generated_tokens": n_generated,
             "match_rate": float(np.mean(divergences)),
+            # per prompt, in the prompts' order, so two caches' match rates can be compared prompt by prompt
+            "match_by_prompt": [float(d) for d in divergences],
             "mean_first_divergence": float(np.mean(divergences) * n_generated),
             "identical": float(np.mean(identical)),
             "positionwise_agreement": float(np.mean(positionwise)),

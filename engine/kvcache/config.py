@@ -20,6 +20,11 @@ A configuration is written as one spec token without spaces (`str(config)`, read
 Method options in use (each method's `check_config` says which it reads):
       key_block=N                kivi: tokens per key block (32, 64, 128; default the group size), e.g.
                                  kivi:k4v4:g64:s4:key_block=128 (the keys' scales cost 0.25 bits, not 0.5)
+      rotate_values=true         kivi: values stored after the layer's seeded rotation, output rotated back
+                                 (keys untouched), e.g. kivi:k4v4:g64:rotate_values=true; =plain: the
+                                 plain Walsh-Hadamard transform, nothing held
+      clip_search=true           kivi: each group quantized at the clipping of its range with the least
+                                 squared error (same layout), e.g. kivi:k4v4:g64:clip_search=true
       values=NAME                qjl: the partner method that stores the values (affine), e.g.
                                  qjl:k4v4:g64:values=affine
       codebooks=DIR              vq: the folder `velox precompute` wrote, e.g. vq:k2v2:codebooks=/data/cb

@@ -13,6 +13,7 @@ from typing import Any
 from benchmarks.harness.common import log, pareto_front
 from benchmarks.harness.levels import (
     LEVEL_BUDGET_BITS,
+    NEEDLE_POINTS,
     REFERENCE_HEAD_DIM,
     REFERENCE_KV_HEADS,
     REFERENCE_TOKENS,
@@ -160,6 +161,31 @@ def _table_config(level: Any) -> str:
     return text + "".join(f" {name}={value}" for name, value in sorted(config.options.items()))
 
 
+def _needle_text(verdict: dict[str, Any] | None) -> str:
+    """A candidate's needle shortfall against fp16 in points ± SE, pooled then per haystack length."""
+    if not verdict:
+        return "—"
+    if not verdict["measured"]:
+        return "not measured"
+    groups = verdict["by_group"]
+    pooled = groups["all"]
+    lengths = sorted((k for k in groups if k != "all"), key=int)
+    each = " / ".join(f"{round(-100 * groups[k]['shortfall']) + 0:+d}" for k in lengths)  # + 0: no "-0"
+    return (f"{round(-100 * pooled['shortfall'], 1) + 0.0:+.1f} ± {100 * pooled['se']:.1f} ({pooled['trials']} trials; "
+            f"{'/'.join(f'{int(k) // 1024}k' for k in lengths)}: {each})")
+
+
+def _agreement_text(verdict: dict[str, Any] | None) -> str:
+    if not verdict:
+        return "—"
+    if not verdict["measured"]:
+        return "not measured"
+    se = "no per-prompt SE" if math.isinf(verdict["se"]) else f"± {100 * verdict['se']:.1f}"
+    if verdict["best"] is not None and verdict["behind"] == 0:
+        return f"{100 * verdict['match_rate']:.1f} % (the best measured)"
+    return f"{100 * verdict['match_rate']:.1f} % ({round(-100 * verdict['behind'], 1) + 0.0:+.1f} {se} vs the best)"
+
+
 def _levels_table(chosen: dict[str, dict[str, Any]]) -> str:
     body = []
     for level in LEVELS:
@@ -167,19 +193,31 @@ def _levels_table(chosen: dict[str, dict[str, Any]]) -> str:
             continue
         choice = chosen.get(level.key)
         if choice is None:
-            body.append([level.label, "—", "nothing eligible fits", _table_config(level), "—", "—", "—"])
+            body.append([level.label, "—", "nothing eligible fits", _table_config(level), "—", "—", "—", "—", "—"])
             continue
         row = choice["row"]
         agrees = "✓" if level_matches(row["spec"], level) else "✗ differs: rerun the rule"
+        use = choice["use"].get(row["spec"], {})
+        points = NEEDLE_POINTS.get(level.key)
+        needle = _needle_text(use.get("needle")) if points is not None else "not weighed"
+        needle += "" if choice["meets_use"] else " **misses the use targets: lowest KL kept**"
         body.append([level.label, f"{choice['budget']:g}", f"**{row['label']}**", f"{_table_config(level)} {agrees}",
-                     f.fmt_bits(row), f.fmt(row["mean_kl"], ".4f"), f.fmt_delta(row)])
+                     f.fmt_bits(row), f.fmt(row["mean_kl"], ".4f"), f.fmt_delta(row), needle,
+                     _agreement_text(use.get("agreement"))])
     return f.table(["level", "budget (bits/value, formula)", "chosen by the rule", "LEVEL_TABLE has",
-                    "bits held", "KL (nats/token)", "Δ NLL ± SE (nats/token)"], body)
+                    "bits held", "KL (nats/token)", "Δ NLL ± SE (nats/token)",
+                    "needle recall − fp16's (points ± SE)", "greedy match rate"], body)
 
 
 def _ranking_why(row: dict[str, Any], choice: dict[str, Any], best_kl: float) -> str:
     if row["spec"] == choice["row"]["spec"]:
         return "**chosen**"
+    use = choice["use"].get(row["spec"], {})
+    if choice["meets_use"] and use:
+        if "needle" in use and not use["needle"]["passes"]:
+            return "turned away: needle " + ("not measured" if not use["needle"]["measured"] else "recall")
+        if "agreement" in use and not use["agreement"]["passes"]:
+            return "turned away: greedy agreement behind"
     if row["mean_kl"] <= best_kl + TIE_NATS:
         return f"tied within {TIE_NATS:g} nats; loses on attention cost or size"
     return ""
@@ -193,13 +231,18 @@ def _level_ranking(level: Any, choice: dict[str, Any], rows: list[dict[str, Any]
     if choice["row"] not in shown:
         shown.append(choice["row"])
     body = [[str(ranked.index(row) + 1), row["label"], f"{row['bits_d128']:.3f}", f.fmt_bits(row),
-             f.fmt(row["mean_kl"], ".4f"), f.fmt_delta(row), _ranking_why(row, choice, best_kl)] for row in shown]
+             f.fmt(row["mean_kl"], ".4f"), f.fmt_delta(row),
+             _needle_text(choice["use"].get(row["spec"], {}).get("needle")),
+             _agreement_text(choice["use"].get(row["spec"], {}).get("agreement")),
+             _ranking_why(row, choice, best_kl)] for row in shown]
     excluded = [r for r in compressed_velox(rows) if not eligible(r) and r["mean_kl"] < choice["row"]["mean_kl"]
                 and budget_bits_or_inf(r["spec"]) <= choice["budget"] + BUDGET_SLACK]
     return {
         "label": level.label, "budget": f"{choice['budget']:g}", "n_eligible": len(ranked), "n_shown": len(shown),
+        "meets_use": choice["meets_use"],
         "table": f.table(["rank", "cache", f"bits at d={REFERENCE_HEAD_DIM} (budget test)", "bits held",
-                          "KL (nats/token)", "Δ NLL ± SE (nats/token)", ""], body),
+                          "KL (nats/token)", "Δ NLL ± SE (nats/token)", "needle recall − fp16's (points ± SE)",
+                          "greedy match rate", ""], body),
         "excluded": [f"{r['label']} ({budget_bits_or_inf(r['spec']):.3f} bits at d={REFERENCE_HEAD_DIM}, KL "
                      f"{r['mean_kl']:.4f})" for r in sorted(excluded, key=lambda r: r["mean_kl"])],
     }
@@ -209,15 +252,25 @@ def levels(results: Results, base: Path) -> dict[str, Any] | None:
     quality, rows = _quality(results)
     if not rows:
         return None
-    chosen = select_levels(rows)
+    needle_source, agreement_source = results.best("quality", "needle"), results.best("quality", "agreement")
+    needle = needle_source.data["needle"] if needle_source else None
+    agreement = agreement_source.data["agreement"] if agreement_source else None
+    chosen = select_levels(rows, needle, agreement)
     per_level = [_level_ranking(level, chosen[level.key], rows) for level in LEVELS
                  if level.config.method not in DENSE and chosen.get(level.key) is not None]
+    sources = [quality]
+    for source in (needle_source, agreement_source):
+        if source is not None and all(source.path != known.path for known in sources):
+            sources.append(source)
     return {
         "head_dim": REFERENCE_HEAD_DIM, "tie": f"{TIE_NATS:g}",
         "budget_tokens": f"{REFERENCE_TOKENS:,}", "budget_kv_heads": REFERENCE_KV_HEADS,
         "budgets": ", ".join(f"{k}-bit ≤ {v:g}" for k, v in LEVEL_BUDGET_BITS.items()),
+        "needle_points": ", ".join(f"{k}-bit {v:g}" for k, v in NEEDLE_POINTS.items() if v is not None),
+        "unweighed": ", ".join(f"{k}-bit" for k, v in NEEDLE_POINTS.items() if v is None),
+        "weighs_use": needle is not None or agreement is not None,
         "model": f.model_name(quality), "model_head_dim": quality.data.get("model", {}).get("head_dim", "?"),
-        "window_tokens": f.count(rows[0].get("window_tokens")), "source": f.source_line(quality, base),
+        "window_tokens": f.count(rows[0].get("window_tokens")), "source": f.source_line(sources, base),
         "table": _levels_table(chosen), "per_level": per_level,
     }
 

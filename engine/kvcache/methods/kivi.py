@@ -25,6 +25,23 @@ values' channel groups: 128-token blocks halve the keys' scale overhead (0.25 bi
 Sink tokens stay in the block stream too (their 16-bit originals are what attention reads; see
 `SegmentedKVCache.sinks_in_stream`), so blocks stay aligned to absolute positions.
 
+Option `rotate_values` (true/false; default false) stores each value rotated by the layer's seeded rotation
+(`rotation`, randomized Hadamard by default; layer i seeded `seed + i`) before its per-token groups are
+quantized, and rotates the attention output back (Σ p_i v_i = Rᵀ Σ p_i (R v_i)): a value channel with large
+magnitude no longer widens its whole group's scale. Keys and queries are untouched (a rotation would smear the
+outlier channels that the keys' per-channel scales exist for), so the decode kernel reads the same codes and
+the rotation back is one small transform of its output. The rotation's signs are per-layer constants, counted.
+`rotate_values=plain` uses the plain Walsh-Hadamard transform H/√d instead (no random signs: nothing is held,
+so the cache keeps the bits of plain KIVI; it needs head_dim = 2^k or 12·2^k, where H is symmetric and so its own
+inverse). A few outlier channels are spread alike either way; the signs only guard against inputs aligned with
+H's rows.
+
+Option `clip_search` (true/false; default false) quantizes every group (a key channel's block, a value token's
+channel group) at the range that gives it the least squared error among a few clippings of its min..max
+range (`CLIP_RATIOS`, about its midpoint): at 4 bits one outlier no longer spreads the other 63 values over a
+few codes. Only the scales, biases and codes chosen change, not their layout, so attention and the decode kernel
+read them as before; quantizing takes len(CLIP_RATIOS) times longer.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -42,6 +59,7 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -51,10 +69,61 @@ from engine.kvcache.methods.affine import (
     affine_quantize,
     check_channel_groups,
 )
+from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
 KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+
+
+# Fractions of a group's half-range kept about its midpoint, tried by clip_search (1.0: plain min..max).
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
+    """`affine_quantize` with each group clipped to the range (of CLIP_RATIOS) that quantizes it with the least
+    squared error; the same store entries and layout."""
+    shape = array.shape
+    n_groups = shape[-1] // group_size
+    exact = array.astype(mx.float32)
+    groups = exact.reshape(*shape[:-1], n_groups, group_size)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    middle, half = (low + high) / 2, (high - low) / 2
+    best: dict[str, mx.array] = {}
+    best_error: mx.array | None = None
+    for ratio in CLIP_RATIOS:
+        # 1.0 quantizes the array itself (clip's midpoint ± half-range can move min and max by a rounding).
+        clipped = array if ratio == 1.0 else mx.clip(
+            groups, middle - ratio * half, middle + ratio * half).reshape(shape).astype(array.dtype)
+        found = affine_quantize(clipped, role, group_size, bits)
+        decoded = affine_dequantize(found, role, group_size, bits, float32_scales=True)
+        error = mx.square(decoded - exact).reshape(groups.shape).sum(axis=-1)  # [..., n_groups]
+        if best_error is None:
+            best, best_error = found, error
+            continue
+        better = error < best_error
+        best_error = mx.where(better, error, best_error)
+        for name, part in found.items():
+            # scales/biases: one per group; codes: group_size·bits/32 words per group.
+            by_group = part.reshape(*shape[:-1], n_groups, -1)
+            kept = best[name].reshape(by_group.shape)
+            best[name] = mx.where(better[..., None], by_group, kept).reshape(part.shape)
+    return best
+
+
+class PlainHadamard:
+    """H/√d on the last axis, without random signs: orthonormal and, for d = 2^k or 12·2^k, symmetric, so it is
+    its own inverse. It holds no arrays (float32 out, as `Rotation`)."""
+
+    def __init__(self, dim: int) -> None:
+        if not hadamard_supported(dim) or dim % 20 == 0 or dim % 28 == 0:
+            raise ConfigError(f"rotate_values=plain needs head_dim 2^k or 12·2^k, not {dim}.")
+        self.dim = dim
+
+    def forward(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(self.dim))
+
+    inverse = forward
 
 
 @register_method("kivi")
@@ -69,6 +138,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         "partial block stays 16-bit; attention reads the packed codes with quantized_matmul."
     )
 
+    # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
+    _value_rotation: Rotation | PlainHadamard | None = None
+
     @property
     def token_block(self) -> int:  # type: ignore[override]
         return self.token_block_for(self.config)
@@ -77,6 +149,17 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
         super().check_config(config, head_dim)
         check_channel_groups(cls.method_name, config, head_dim, what="values in ")
+        if not isinstance(config.options.get("clip_search", False), bool):
+            raise ConfigError("Method 'kivi' takes clip_search=true or clip_search=false.")
+        rotate = config.options.get("rotate_values", False)
+        if not (isinstance(rotate, bool) or rotate == "plain"):  # not `in`: 1 == True
+            raise ConfigError("Method 'kivi' takes rotate_values=true, rotate_values=plain or rotate_values=false.")
+        if config.options.get("rotate_values") == "plain":
+            PlainHadamard(head_dim)  # raises for a head_dim it cannot transform
+        elif cls.rotates_values(config) and config.rotation not in ROTATION_KINDS:
+            raise ConfigError(
+                f"Unknown rotation {config.rotation!r} for method 'kivi'; use {' or '.join(ROTATION_KINDS)}."
+            )
         block = cls.key_block(config)
         if block not in AFFINE_GROUP_SIZES or cls.step % block:
             raise ConfigError(
@@ -95,6 +178,41 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return cls.key_block(config)
 
     @classmethod
+    def rotates_values(cls, config: KVCacheConfig) -> bool:
+        return bool(config.options.get("rotate_values", False))
+
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        if config.options.get("rotate_values", False) in (False, "plain"):
+            return 0
+        rotation = make_rotation(head_dim, config.seed, config.rotation)
+        return sum(array.nbytes for array in rotation_arrays(rotation))
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
+        if self.config.options.get("rotate_values") == "plain":
+            self._value_rotation = PlainHadamard(v_head_dim)
+        elif self.rotates_values(self.config):
+            self._value_rotation = make_rotation(v_head_dim, self.config.seed + self.layer_index, self.config.rotation)
+
+    def _constant_arrays(self) -> list[mx.array]:
+        if isinstance(self._value_rotation, Rotation):
+            return rotation_arrays(self._value_rotation)
+        return []
+
+    # Values live rotated in the cache (sinks and window too), so attention's output is in the rotated space.
+    def _values_in(self, values: mx.array) -> mx.array:
+        return values if self._value_rotation is None else self._value_rotation.forward(values)
+
+    def _output_out(self, output: mx.array) -> mx.array:
+        return output if self._value_rotation is None else self._value_rotation.inverse(output)
+
+    def _values_out(self, values: mx.array) -> mx.array:
+        return values if self._value_rotation is None else self._value_rotation.inverse(values)
+
+    @classmethod
     def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
         # Keys: a scale and a bias per channel and block of G tokens = head_dim·32/G bits per token.
         key_bits = head_dim * config.key_bits + head_dim * 2 * SCALE_BITS / cls.key_block(config)
@@ -106,10 +224,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         group_size = self.config.group_size
+        quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
         return {
-            **affine_quantize(values, "value", group_size, self.config.value_bits),
+            **quantize(values, "value", group_size, self.config.value_bits),
             # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
-            **affine_quantize(keys.swapaxes(-1, -2), "key", self.token_block, self.config.key_bits),
+            **quantize(keys.swapaxes(-1, -2), "key", self.token_block, self.config.key_bits),
         }
 
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
@@ -246,7 +365,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             raise ValueError("chunk_tokens must be positive.")
         dtype = self.input_dtype
         if self.n_sink:
-            yield self._sink_keys.astype(dtype), self._sink_values.astype(dtype)
+            yield self._sink_keys.astype(dtype), self._values_out(self._sink_values).astype(dtype)
         yield from skip_tokens(self._iter_stream(chunk_tokens), self.n_duplicated)
 
     def _iter_stream(self, chunk_tokens: int) -> Iterator[tuple[mx.array, mx.array]]:
@@ -261,7 +380,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             for piece in range(0, end - start, chunk_tokens):
                 yield (
                     keys[..., piece : piece + chunk_tokens, :].astype(dtype),
-                    values[..., piece : piece + chunk_tokens, :].astype(dtype),
+                    self._values_out(values[..., piece : piece + chunk_tokens, :]).astype(dtype),
                 )
         if self.n_window:
-            yield self._window_keys.astype(dtype), self._window_values.astype(dtype)
+            yield self._window_keys.astype(dtype), self._values_out(self._window_values).astype(dtype)
