@@ -47,6 +47,7 @@ PARITY_SPECS = (
     ("kivi", 4, 64, 0, 0),
     ("kivi", 3, 32, 9, 4),
     ("kivi", 4, 64, 0, 4, {"key_block": 128}),
+    ("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True}),  # the app's 4-bit level
     ("kivi", 4, 32, 0, 0, {"key_block": 128}),
     ("kivi", 2, 64, 0, 0),
     ("turboquant", 4, 64, 0, 0),
@@ -255,7 +256,7 @@ def _reference_of(cache):
 
 
 @needs_gpu
-@pytest.mark.parametrize("spec", PARITY_SPECS, ids=lambda s: "-".join(map(str, s)).replace("{'key_block': ", "kb").rstrip("}"))
+@pytest.mark.parametrize("spec", PARITY_SPECS, ids=lambda s: "-".join(map(str, s)).replace("{'key_block': ", "kb").replace(", 'rotate_values': True", "-rv").rstrip("}"))
 @pytest.mark.parametrize("tokens", (70, 1000, 4097))
 def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
     """bf16 cache and queries; the reference attends over the very same compressed arrays on the CPU
