@@ -72,7 +72,7 @@ def _servers(model_dir: Path) -> dict[str, dict[str, Any]]:
     python = sys.executable
     return {
         "velox-4": {
-            "label": "velox serve, app's 4-bit level (kivi:k4v4:g64:s4:key_block=128)",
+            "label": "velox serve, app's 4-bit level (kivi:k4v4:g64:s4:key_block=128:rotate_values=true)",
             "command": [python, "-m", "app.cli", "serve", "--level", "4"],
         },
         "velox-16": {
