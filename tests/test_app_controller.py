@@ -11,15 +11,13 @@ from dataclasses import replace
 import pytest
 
 from app.controller import ChatController, overflow_question, reply_caption
-from app.payloads import IngestChoice
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore
 from engine.chat.session import GenerationStats, Message
 from engine.models.catalog import hf_cached_snapshot
 from engine.planning.recommend import level_by_key
+from tests.app_helpers import WAIT_MS, attach_and_ingest, reply, wait_idle
 from tests.hub_server import HubState, serve_hub
-
-WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
 
 
 @pytest.fixture()
@@ -42,11 +40,6 @@ def make_controller(tmp_path, smollm, qtbot):
     for controller in made:
         controller.shutdown()
         controller.store.close()
-
-
-def reply(qtbot, controller: ChatController, text: str) -> None:
-    assert controller.send(text)
-    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
 
 
 def test_send_streams_a_reply_and_saves_both_messages(make_controller, qtbot):
@@ -98,7 +91,7 @@ def test_regenerate_replaces_the_last_reply_on_disk(make_controller, qtbot):
     reply(qtbot, controller, "Name a colour.")
     first_reply = controller.entries[-1].text
     assert controller.regenerate()
-    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
+    wait_idle(qtbot, controller)
     _meta, stored = controller.store.load_conversation(controller.conversation_id)
     assert [m.role for m in stored] == ["user", "assistant"]
     # Greedy decoding of the same prompt gives the same reply, now stored once.
@@ -262,14 +255,8 @@ def test_a_single_turn_with_a_document_that_overflows_is_offered_only_the_cut(ma
     path = tmp_path / "harbour.txt"
     path.write_text(" ".join(f"On day {day} the harbour master counted {day * 7} boats and wrote it down."
                              for day in range(1, 40)), encoding="utf-8")
-    inspected, ingested = [], []
-    controller.documentInspected.connect(inspected.append)
-    controller.documentIngested.connect(ingested.append)
-    controller.attach_document(str(path))
-    qtbot.waitUntil(lambda: bool(inspected) and not controller.busy, timeout=WAIT_MS)
-    assert controller.ingest_document(inspected[0].doc_id, IngestChoice())
-    qtbot.waitUntil(lambda: bool(ingested) and not controller.busy, timeout=WAIT_MS)
-    assert not ingested[0].cancelled and ingested[0].tokens > 300
+    ingested = attach_and_ingest(qtbot, controller, path)
+    assert not ingested.cancelled and ingested.tokens > 300
     session = controller.engine.worker.session
     question = "How many boats were counted on day 3?"
     whole = len(session.render_tokens([Message("user", question, list(session.pending_documents))]))
@@ -293,13 +280,7 @@ def test_a_document_too_long_even_when_cut_says_so_and_offers_nothing(make_contr
     controller = make_controller()
     path = tmp_path / "harbour.txt"
     path.write_text(" ".join(f"Boat {n} came in." for n in range(1, 60)), encoding="utf-8")
-    inspected, ingested = [], []
-    controller.documentInspected.connect(inspected.append)
-    controller.documentIngested.connect(ingested.append)
-    controller.attach_document(str(path))
-    qtbot.waitUntil(lambda: bool(inspected) and not controller.busy, timeout=WAIT_MS)
-    assert controller.ingest_document(inspected[0].doc_id, IngestChoice())
-    qtbot.waitUntil(lambda: bool(ingested) and not controller.busy, timeout=WAIT_MS)
+    attach_and_ingest(qtbot, controller, path)
     session = controller.engine.worker.session
     question = "Which boat came in last? " * 8
     bare = len(session.render_tokens([Message("user", question)]))

@@ -13,8 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from app.controller import ChatController
 from app.settings import Settings, load_settings, save_settings
 from app.store import ConversationStore, saved_caches_folder
-
-WAIT_MS = 180_000  # the 2-core CI machine may be shared; a short reply normally takes seconds
+from tests.app_helpers import WAIT_MS, reply
 
 
 @pytest.fixture()
@@ -41,11 +40,6 @@ def make_controller(tmp_path, smollm, qtbot):
     for controller in made:
         controller.shutdown()
         controller.store.close()
-
-
-def reply(qtbot, controller: ChatController, text: str) -> None:
-    assert controller.send(text)
-    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
 
 
 def wait_for(qtbot, controller: ChatController, action: str, conversation_id: int | None = None):

@@ -13,8 +13,7 @@ from PySide6.QtWidgets import QApplication, QDialog, QMessageBox
 
 from app.main import build_app, qt_binding_problem
 from app.settings import Settings, save_settings
-
-WAIT_MS = 180_000
+from tests.app_helpers import WAIT_MS, wait_idle
 
 DOCUMENT = """# Project Falcon status
 
@@ -48,10 +47,6 @@ def make_window(tmp_path, smollm, qtbot):
             dialog.close()
         window.close()
         controller.store.close()
-
-
-def wait_idle(qtbot, controller) -> None:
-    qtbot.waitUntil(lambda: not controller.busy and controller._turn is None, timeout=WAIT_MS)
 
 
 def test_installed_qt_binding_does_not_leak_references():
