@@ -18,6 +18,7 @@ from engine.kvcache import (
     uninstall_attention_dispatch,
 )
 from engine.kvcache.attention import original_quantized_sdpa
+from engine.kvcache.kernels import available_backend
 from tests.kvcache_helpers import (
     filled,
     key_and_attention_errors,
@@ -50,7 +51,7 @@ def test_dispatch_install_and_uninstall_are_idempotent_and_reversible() -> None:
 
 
 def _on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+    return available_backend() == "cuda"
 
 
 @pytest.mark.skipif(_on_cuda(), reason="mlx-lm's QuantizedKVCache needs quantized_matmul shapes MLX's CUDA lacks")
@@ -268,8 +269,8 @@ def test_prefill_attention_option_is_validated() -> None:
 
 def test_auto_prefill_attention_follows_the_device() -> None:
     rows = kv_base.DEQUANTIZE_MIN_ROWS
-    metal = mx.default_device() == mx.gpu and mx.metal.is_available()
-    cuda = mx.default_device() == mx.gpu and not metal
+    metal = available_backend() == "metal"
+    cuda = _on_cuda()
     assert kv_base._attends_decoded("auto", rows) == (not metal)
     assert kv_base._attends_decoded("dequantize-blocks", rows)
     # quantized_matmul on CUDA has no kernel for most attention shapes: decoded there whatever the choice

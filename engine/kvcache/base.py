@@ -623,19 +623,12 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         batch, n_query_heads, n_queries, _ = queries.shape
         n_kv = self._n_kv_heads
         repeats = n_query_heads // n_kv
-        grouped = (self._queries_in(queries) * scale).reshape(batch, n_kv, repeats * n_queries, -1)
-        compute_dtype = grouped.dtype
+        transformed = self._queries_in(queries)
 
         n_compressed = self._n_compressed
         store = self._compressed_view() if n_compressed else {}
         dequantize = _attends_decoded(
             self.config.options.get("prefill_attention", DEFAULT_PREFILL_ATTENTION), repeats * n_queries
-        )
-        # Token ranges of the compressed history decoded one at a time (only on the dequantize path).
-        blocks = (
-            [(s, min(s + DEQUANTIZE_BLOCK_TOKENS, n_compressed)) for s in range(0, n_compressed, DEQUANTIZE_BLOCK_TOKENS)]
-            if dequantize
-            else []
         )
 
         # In the queries' own dtype: a method's transform may return float32 queries (a float32 rotation),
@@ -644,8 +637,17 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         attend_dense = _dense_attention(dense_dtype) if dequantize else None
         if attend_dense is not None and self._dense_history_bytes(dense_dtype) <= DENSE_HISTORY_MAX_BYTES:
             keys, values = self._dense_history(store, dense_dtype)
-            output = attend_dense(self._queries_in(queries).astype(dense_dtype), keys, values, scale, mask)
+            output = attend_dense(transformed.astype(dense_dtype), keys, values, scale, mask)
             return self._output_out(output).astype(queries.dtype)
+
+        grouped = (transformed * scale).reshape(batch, n_kv, repeats * n_queries, -1)
+        compute_dtype = grouped.dtype
+        # Token ranges of the compressed history decoded one at a time (only on the dequantize path).
+        blocks = (
+            [(s, min(s + DEQUANTIZE_BLOCK_TOKENS, n_compressed)) for s in range(0, n_compressed, DEQUANTIZE_BLOCK_TOKENS)]
+            if dequantize
+            else []
+        )
 
         scores = []
         if n_compressed and not dequantize:
@@ -900,7 +902,8 @@ def _fast_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float
 def _attends_decoded(choice: str, rows: int) -> bool:
     """Whether `rows` query rows per kv head attend over decoded history (key blocks or the whole history)
     rather than through the packed codes with quantized_matmul, for option `prefill_attention` = `choice`."""
-    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+    backend = _kernels.available_backend()
+    if backend == "cuda":
         # MLX 0.32's CUDA quantized_matmul has no kernel for most attention shapes (measured on an H200:
         # "No implementation for problem shape: 1533x8128x64x3", also 3x65x64x2 at 8 bits), so on CUDA the
         # history is always decoded: for prefill chunks, and for single tokens the decode kernel declines.
@@ -910,7 +913,7 @@ def _attends_decoded(choice: str, rows: int) -> bool:
     if choice == "auto":
         # Fused prefill needs quantized_matmul for hundreds of query rows at once: fast on Metal, slow on the
         # CPU (not BLAS-backed), so only Metal attends fused.
-        return mx.default_device() == mx.cpu or not mx.metal.is_available()
+        return backend != "metal"
     return choice == "dequantize-blocks"
 
 
