@@ -1,0 +1,166 @@
+"""Where a GPU decode step's cache time goes: each part over all 32 layers of the 8B shape, in one evaluation.
+
+    python benchmarks/decode_profile.py --out profile.json [--contexts 8193,32769] \\
+        [--specs fp16,kivi:k4v4:g64:s4:key_block=128:rotate_values=true] [--sweep] [--repeats 10]
+
+For each cache spec (decode.py's spec syntax) and context, 32 per-layer caches (one per layer, as the model
+holds them, so no layer's history sits in the GPU's L2 cache for the next) are filled with random tokens and
+these are timed, each as the median over `--repeats` evaluations of all 32 layers at once (launches
+pipelined, as in a model step; ms for the 32 layers):
+
+    update     `update_and_fetch` of one token
+    attention  mlx-lm's `scaled_dot_product_attention` over the cache (what a model layer calls)
+    both       update then attention, per layer
+    kernel     Velox caches with a decode kernel: the attention and merge launches alone
+               (`decode_attention` with the cache's plan: no query or output transforms)
+
+`--sweep` also times `kernel` for the kernel's launch constants (tokens in flight per subgroup, threads per
+threadgroup, target threadgroups, minimum tokens per split), to choose them from measurements.
+A GPU tool: on a CPU it runs (`--shape tiny`) but its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SWEEP = (
+    {"UNROLL": 1}, {"UNROLL": 4}, {"THREADS": 256}, {"THREADS": 256, "UNROLL": 1},
+    {"TARGET_GROUPS": 256}, {"TARGET_GROUPS": 512}, {"TARGET_GROUPS": 2048}, {"TARGET_GROUPS": 4096},
+    {"MIN_SPLIT_TOKENS": 64}, {"MIN_SPLIT_TOKENS": 256}, {"MIN_SPLIT_TOKENS": 512},
+)
+
+
+def _median_ms(run: Any, repeats: int) -> float:
+    import mlx.core as mx
+
+    times = []
+    for i in range(repeats + 2):
+        mx.synchronize()
+        began = time.perf_counter()
+        mx.eval(run())
+        mx.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep: bool) -> list[dict[str, Any]]:
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from benchmarks.decode import fill, make_caches
+    from engine.kvcache.kernels import decode as decode_kernels
+
+    n_layers = shape["layers"]
+    caches = make_caches(spec, n_layers, shape)
+    fill(caches, context, shape)
+    q_shape = (1, shape["heads"], 1, shape["head_dim"])
+    kv_shape = (1, shape["kv_heads"], 1, shape["head_dim"])
+    queries = [mx.random.normal(q_shape).astype(mx.bfloat16) for _ in range(n_layers)]
+    keys = mx.random.normal(kv_shape).astype(mx.bfloat16)
+    values = mx.random.normal(kv_shape).astype(mx.bfloat16)
+    mx.eval(queries, keys, values)
+    scale = shape["head_dim"] ** -0.5
+    fetched = [cache.update_and_fetch(keys, values) for cache in caches]
+    mx.eval([c.state for c in caches])
+
+    def update() -> Any:
+        return [c.state for c in caches if c.update_and_fetch(keys, values) is not None]
+
+    def attention() -> Any:
+        return [scaled_dot_product_attention(q, k, v, cache=c, scale=scale, mask=None)
+                for q, (k, v), c in zip(queries, fetched, caches)]
+
+    def both() -> Any:
+        outs = []
+        for q, c in zip(queries, caches):
+            k, v = c.update_and_fetch(keys, values)
+            outs.append(scaled_dot_product_attention(q, k, v, cache=c, scale=scale, mask=None))
+        return outs
+
+    row: dict[str, Any] = {"spec": spec, "context": context}
+    row["attention"] = _median_ms(attention, repeats)
+    row["update"] = _median_ms(update, repeats)
+    row["both"] = _median_ms(both, repeats)
+    rows = [row]
+    plans = [c._decode_plan(shape["heads"] // shape["kv_heads"]) if hasattr(c, "_decode_plan") else None
+             for c in caches]
+    if all(p is not None for p in plans):
+
+        def kernel() -> Any:
+            outs = []
+            for q, c in zip(queries, caches):
+                plan = c._decode_plan(shape["heads"] // shape["kv_heads"])
+                outs.append(decode_kernels.decode_attention(
+                    plan, q, c._n_kv_heads, scale,
+                    (c._sink_keys, c._sink_values) if c.n_sink else None,
+                    (c._window_keys, c._window_values) if c.n_window else None,
+                    c._n_compressed, c.n_duplicated))
+            return outs
+
+        row["kernel"] = _median_ms(kernel, repeats)
+        row["splits"] = decode_kernels.split_count(caches[0]._n_compressed, shape["kv_heads"], plans[0].tile)
+        if sweep:
+            defaults = {name: getattr(decode_kernels, name) for name in ("UNROLL", "THREADS", "TARGET_GROUPS",
+                                                                        "MIN_SPLIT_TOKENS")}
+            for variant in SWEEP:
+                for name, value in {**defaults, **variant}.items():
+                    setattr(decode_kernels, name, value)
+                for c in caches:
+                    c._plan_cache = None
+                try:
+                    ms = _median_ms(kernel, repeats)
+                    rows.append({"spec": spec, "context": context, "variant": variant, "kernel": ms})
+                except Exception as error:  # noqa: BLE001 - a variant the layout refuses is recorded
+                    rows.append({"spec": spec, "context": context, "variant": variant, "error": str(error)[:200]})
+                print(rows[-1], flush=True)
+            for name, value in defaults.items():
+                setattr(decode_kernels, name, value)
+            for c in caches:
+                c._plan_cache = None
+    del caches, fetched
+    gc.collect()
+    mx.clear_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", default="8193,32769")
+    parser.add_argument("--specs", default="fp16,kivi:k4v4:g64:s4:key_block=128:rotate_values=true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shape", default="8b", choices=("8b", "tiny"))
+    args = parser.parse_args()
+
+    from engine.runtime import prepare_runtime
+
+    prepare_runtime()
+    import mlx.core as mx
+
+    from benchmarks.decode import SHAPES
+
+    shape = SHAPES[args.shape]
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for spec in args.specs.split(","):
+            for row in profile(spec, context, shape, args.repeats, args.sweep):
+                if "variant" not in row:
+                    print(json.dumps(row), flush=True)
+                rows.append(row)
+    result = {"schema": "velox-bench/1", "kind": "decode-profile", "device": str(mx.default_device()),
+              "mlx": mx.__version__, "shape": shape, "repeats": args.repeats, "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

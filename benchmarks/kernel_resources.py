@@ -1,0 +1,143 @@
+"""Compile the CUDA decode kernels offline with nvcc and print each one's registers, spills and shared memory.
+
+    python benchmarks/kernel_resources.py [--arch sm_90a] [--head-dim 128] [--rows 4] [--show NAME]
+
+No GPU is needed, only a CUDA toolkit (`nvcc` on PATH). Each kernel is wrapped exactly as MLX's
+`mx.fast.cuda_kernel` wraps a body (mlx/backend/cuda/custom_kernel.cpp: pointer arguments per input,
+`<name>_shape` arguments where the body names them, template arguments as constexpr ints and type aliases)
+and compiled for the H200's architecture as MLX's NVRTC does. A kernel that spills registers to local memory
+or runs out of them shows here before any device time is spent; ptxas's numbers are also what sets the
+occupancy (threads resident per multiprocessor) the kernel can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.kvcache.kernels.backend import KernelSource, assemble  # noqa: E402
+from engine.kvcache.kernels.decode import (  # noqa: E402
+    MERGE_SOURCE,
+    UNROLL,
+    Codec,
+    attend_source,
+    threads_for,
+    tile_tokens,
+)
+
+# A stand-in for "mlx/backend/cuda/device/utils.cuh": only what the wrapper and our bodies use.
+_SHIM = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cstdint>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+}
+"""
+
+_CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "uint32": "uint32_t",
+               "uint8": "uint8_t", "int32": "int32_t"}
+
+
+def wrap(source: KernelSource, input_types: dict[str, str], output_types: dict[str, str],
+         template: list[tuple[str, object]]) -> str:
+    """The CUDA translation unit MLX would compile for `source` with these dtypes and template arguments."""
+    header, body = assemble("cuda", source.body, source.header, source.defines)
+    params = []
+    for name in source.input_names:
+        params.append(f"    const {_CUDA_TYPES[input_types.get(name, 'float32')]}* {name}")
+        if name + "_shape" in body:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    for name in source.output_names:
+        params.append(f"    {_CUDA_TYPES[output_types.get(name, 'float32')]}* {name}")
+    constants = []
+    for name, value in template:
+        if isinstance(value, str):
+            constants.append(f"  using {name} = {_CUDA_TYPES[value]};")
+        else:
+            constants.append(f"  constexpr int {name} = {int(value)};")
+    return (
+        _SHIM + header + "\nnamespace mlx::core::cu {\n__global__ void " + source.name + "(\n"
+        + ",\n".join(params) + ") {\n" + "\n".join(constants) + "\n" + body + "\n}\n}\n"
+    )
+
+
+def compile_resources(unit: str, arch: str) -> dict[str, int | str]:
+    """ptxas -v figures of one translation unit: registers, spill stores/loads (bytes), shared memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cu"
+        path.write_text(unit)
+        result = subprocess.run(
+            ["nvcc", f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "kernel.cubin"), "-Xptxas", "-v",
+             "--std=c++17", str(path)],
+            capture_output=True, text=True,
+        )
+    log = result.stdout + result.stderr
+    if result.returncode:
+        return {"error": log[-3000:]}
+    figures: dict[str, int | str] = {}
+    for key, pattern in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+                         ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame"),
+                         ("shared", r"(\d+) bytes smem")):
+        found = re.search(pattern, log)
+        figures[key] = int(found.group(1)) if found else 0
+    return figures
+
+
+# (label, key codec, value codec, group size, key block): the pairs the methods hand the decode kernel.
+PAIRS = (
+    ("kivi 4 (app 4-bit level)", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
+    ("kivi 3", Codec("kivi_keys", 3), Codec("affine", 3), 64, 128),
+    ("kivi 2", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
+    ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
+    ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
+    ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
+)
+
+
+def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int) -> str:
+    source = attend_source(key, value)
+    tile = tile_tokens(key, group, head_dim, key_block)
+    template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
+                ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("CS", 4), ("NS", 4), ("HW", 1),
+                ("TD", "bfloat16")]
+    types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
+             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8"}
+    for prefix, codec in (("k", key), ("v", value)):
+        for slot in range(codec.slots):
+            codes = slot == 0 or (codec.kind == "rvq" and slot == 3)
+            small = codec.kind in ("codebook", "rvq") and slot in (2, 5)
+            types[f"{prefix}{slot}"] = "uint32" if codes else ("float32" if small else "bfloat16")
+    return wrap(source, types, {}, template)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=4, help="query heads per kv head (GQA)")
+    parser.add_argument("--show", help="print the translation unit of the pair whose label starts with this")
+    args = parser.parse_args()
+    if shutil.which("nvcc") is None:
+        sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
+    units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows)) for label, k, v, g, kb in PAIRS]
+    units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
+                                [("D", args.head_dim), ("R", args.rows), ("TO", "bfloat16")])))
+    for label, unit in units:
+        if args.show and label.startswith(args.show):
+            print(unit)
+        figures = compile_resources(unit, args.arch)
+        print(f"{label:28s} {figures}")
+
+
+if __name__ == "__main__":
+    main()
