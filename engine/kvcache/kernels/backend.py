@@ -25,6 +25,9 @@ MLX's Metal front end passes a kernel argument such as `thread_position_in_threa
 passes inputs of fewer than 8 elements in the `constant` address space, which the helpers' `GLOBAL`
 (device) pointers cannot take: only large arrays (codes) go through helpers; small tables (centroids,
 boundaries, the scale) are indexed in the body itself, where either address space works.
+
+A third backend, "emulate" (`emulate.py`), runs the same bodies as host C++ on the CPU, for parity tests on
+machines without a GPU; `build`/`kernel` accept it, `available_backend()` never picks it.
 """
 
 from __future__ import annotations
@@ -121,7 +124,15 @@ class KernelSource:
 
 
 def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
-    """The MLX kernel object of `source` on `backend` (compiled by MLX on first launch, then cached)."""
+    """The MLX kernel object of `source` on `backend` (compiled by MLX on first launch, then cached).
+
+    `backend` may also be "emulate": the CPU emulator of `emulate.py`, called like an MLX kernel object. It
+    is for tests only; `available_backend()` never returns it.
+    """
+    if backend == "emulate":
+        from engine.kvcache.kernels.emulate import emulated_kernel  # imports this module: import late
+
+        return emulated_kernel(source)
     header, body = source.for_backend(backend)
     common: dict[str, Any] = {
         "name": source.name,

@@ -1,0 +1,165 @@
+"""The GPU kernels run on the CPU emulator (engine/kvcache/kernels/emulate.py): parity of the fused decode and
+encode kernels with the pure-MLX reference, on a machine without a GPU.
+
+The caches take the very code path a GPU decode step takes (`attention` -> `_decode_plan` -> `plan_decode`
+-> `decode_attention`, and for the codebook methods the fused encode), with `available_backend()` patched to
+name the emulator; only the kernels' host C++ stands in for the device. Float32 throughout (the emulator
+takes 16-bit arrays as float32 anyway). Needs g++; compiled kernels are cached across runs by text hash.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine.kvcache.kernels as kernels
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
+from engine.kvcache.kernels.backend import KernelSource, kernel
+from engine.kvcache.kernels.emulate import EMULATE, compiler
+from engine.kvcache.methods import turboquant
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
+                                                          "which is not on PATH")
+
+# Every decode codec the methods use (KIVI at 4/3/2 bits and the app's 4-bit level), with sinks and windows.
+SPECS = (
+    "kivi:k4v4:g64:s4:key_block=128:rotate_values=true",  # the app's 4-bit level
+    "kivi:k4v4:g64",
+    "kivi:k3v3:g32:w9:s4",
+    "kivi:k2v2:g64",
+    "affine:k4v4:g64",
+    "affine:k3v3:g32:w5:s3",
+    "rotated:k4v4:g64",
+    "turboquant:k4v4:g64",
+    "turboquant:k3v3:g64:w7:s2",
+    "rvq:k4v4:g64",
+    "rvq:k3v3:g64:w3:s1",
+)
+TOKENS = (1, 5, 130, 300)
+# (head_dim, query heads per kv head): 2 rows leave warps of the staged KIVI keys without a row to reduce
+# (they skip its shuffles while the other warps run them)
+SHAPES = ((64, 4), (128, 4), (64, 2))
+N_KV = 2
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel backend "emulate" for the decode kernel (looked up through the package) and the encode kernel."""
+    monkeypatch.setattr(kernels, "available_backend", lambda: EMULATE)
+    monkeypatch.setattr(turboquant, "available_backend", lambda: EMULATE)
+
+
+def _filled(spec: str, tokens: int, head_dim: int, rows: int, seed: int):
+    """A one-layer cache of `spec` (kernels required) holding `tokens` random tokens: an untidy chunk, then
+    token by token, as a prefill and decode steps would fill it."""
+    config = KVCacheConfig.parse(spec)
+    config = replace(config, options={**config.options, "kernels": "require"})
+    shape = ModelShape(n_layers=1, n_heads=rows * N_KV, n_kv_heads=N_KV, head_dim=head_dim)
+    cache = KVCacheBuilder(config).for_shape(shape).build()[0]
+    rng = np.random.default_rng(seed)
+    keys = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
+    values = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
+    cut = max(1, tokens - 3)
+    cache.update_and_fetch(keys[..., :cut, :], values[..., :cut, :])
+    for t in range(cut, tokens):
+        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    mx.eval(cache.state)
+    return cache
+
+
+def _reference_of(cache):
+    """The same cache contents (shared arrays) with kernels off: the pure-MLX reference path."""
+    reference = copy.copy(cache)
+    reference.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
+    return reference
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", SPECS)
+def test_emulated_decode_kernel_matches_reference(spec: str) -> None:
+    launched = 0
+    for head_dim, rows in SHAPES:
+        for tokens in TOKENS:
+            cache = _filled(spec, tokens, head_dim, rows, seed=tokens + head_dim)
+            queries = mx.array(np.random.default_rng(tokens).standard_normal((1, rows * N_KV, 1, head_dim),
+                                                                                dtype=np.float32))
+            scale = head_dim**-0.5
+            out = cache.attention(queries, None, None, scale=scale, mask=None)
+            ref = _reference_of(cache).attention(queries, None, None, scale=scale, mask=None)
+            if cache.n_compressed:  # with nothing compressed both sides are the reference path
+                assert cache._decode_plan(rows) is not None, "the kernel path was not taken"
+                launched += 1
+            error = float(mx.max(mx.abs(out - ref)))
+            assert out.shape == ref.shape and out.dtype == mx.float32
+            assert np.isfinite(error) and error <= 2e-3, (
+                f"{spec} tokens={tokens} D={head_dim} R={rows}: max abs err {error}")
+    assert launched >= 2 * len(SHAPES), "too few cases reached the kernel"
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k1v1:g64", "rvq:k3v3:g64"])
+def test_emulated_encode_kernel_matches_reference(spec: str) -> None:
+    """The fused encode's codes, norms and residual scales (a code may differ where a value sits within
+    float rounding of a boundary: at most 1 in 10,000)."""
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    keys = mx.array(np.random.default_rng(3).standard_normal((1, 2, 301, 128), dtype=np.float32))
+    cache._setup_from(keys, keys)
+    rotated = cache._keys_in(keys)
+    fused = cache._encode(rotated, rotated)
+    reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(rotated, "value")}
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:
+            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
+        else:
+            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
+            assert error <= 1e-4, (name, error)
+
+
+# ----- the emulator itself ----------------------------------------------------------------------------------
+
+_SHUFFLE = KernelSource(
+    name="emulate_shuffle",
+    input_names=("x",),
+    output_names=("out", "total"),
+    body="""
+  const float mine = x[GROUP_X * NT + TID];
+  out[GROUP_X * NT + TID] = -1.0f;
+  if (TID / 32 != SKIP) out[GROUP_X * NT + TID] = LANE_XOR(mine, M);  // a whole warp may skip a shuffle
+  SHARED float partial[NT];
+  partial[TID] = mine;
+  BARRIER();
+  if (TID == 0) { float s = 0.0f; for (int i = 0; i < NT; ++i) s += partial[i]; total[GROUP_X] = s; }
+""",
+)
+
+
+def test_lane_xor_barrier_and_shared_memory_per_block() -> None:
+    run = kernel(_SHUFFLE, EMULATE)
+    x = np.arange(3 * 64, dtype=np.float32)
+    lanes = np.arange(x.size)
+    for mask, skip in ((1, -1), (16, 1)):
+        out, total = run(inputs=[mx.array(x)], template=[("NT", 64), ("M", mask), ("SKIP", skip)],
+                         grid=(3 * 64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[x.shape, (3,)],
+                         output_dtypes=[mx.float32, mx.float32])
+        expected = x[(lanes & ~31) | ((lanes % 32) ^ mask)]
+        expected[(lanes % 64) // 32 == skip] = -1.0
+        assert np.array_equal(np.array(out), expected)
+        assert np.array_equal(np.array(total), x.reshape(3, 64).sum(axis=1))
+
+
+@pytest.mark.parametrize("body,message", [
+    ("  if (TID < 16) BARRIER();\n  out[TID] = x[TID];\n", "16 of 32 threads wait at a barrier"),
+    ("  out[TID] = (TID < 16) ? LANE_XOR(x[TID], 1) : x[TID];\n", "16 of 32 threads wait at a shuffle"),
+])
+def test_a_barrier_or_shuffle_not_every_thread_reaches_is_an_error(body: str, message: str) -> None:
+    divergent = KernelSource(name="emulate_divergent", input_names=("x",), output_names=("out",), body=body)
+    with pytest.raises(RuntimeError, match=message):
+        kernel(divergent, EMULATE)(inputs=[mx.zeros((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                   output_shapes=[(32,)], output_dtypes=[mx.float32])
