@@ -14,8 +14,9 @@ pipelined, as in a model step; ms for the 32 layers):
     kernel     Velox caches with a decode kernel: the attention and merge launches alone
                (`decode_attention` with the cache's plan: no query or output transforms)
 
-`--sweep` also times `kernel` for the kernel's launch constants (tokens in flight per subgroup, threads per
-threadgroup, target threadgroups, minimum tokens per split), to choose them from measurements.
+`--sweep` also times `kernel` for the kernel's launch constants (the tiled or per-subgroup pass for KIVI, tokens in
+flight per subgroup, threads per threadgroup, target threadgroups, minimum tokens per split), to choose them from
+measurements.
 A GPU tool: on a CPU it runs (`--shape tiny`) but its figures mean nothing.
 """
 
@@ -32,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SWEEP = (
+    {"TILED": False}, {"TILED": False, "TARGET_GROUPS": 256},
     {"UNROLL": 1}, {"UNROLL": 4}, {"THREADS": 256}, {"THREADS": 256, "UNROLL": 1},
     {"TARGET_GROUPS": 256}, {"TARGET_GROUPS": 512}, {"TARGET_GROUPS": 2048}, {"TARGET_GROUPS": 4096},
     {"MIN_SPLIT_TOKENS": 64}, {"MIN_SPLIT_TOKENS": 256}, {"MIN_SPLIT_TOKENS": 512},
@@ -77,11 +79,11 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
 
     def attention() -> Any:
         return [scaled_dot_product_attention(q, k, v, cache=c, scale=scale, mask=None)
-                for q, (k, v), c in zip(queries, fetched, caches)]
+                for q, (k, v), c in zip(queries, fetched, caches, strict=True)]
 
     def both() -> Any:
         outs = []
-        for q, c in zip(queries, caches):
+        for q, c in zip(queries, caches, strict=True):
             k, v = c.update_and_fetch(keys, values)
             outs.append(scaled_dot_product_attention(q, k, v, cache=c, scale=scale, mask=None))
         return outs
@@ -97,7 +99,7 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
 
         def kernel() -> Any:
             outs = []
-            for q, c in zip(queries, caches):
+            for q, c in zip(queries, caches, strict=True):
                 plan = c._decode_plan(shape["heads"] // shape["kv_heads"])
                 outs.append(decode_kernels.decode_attention(
                     plan, q, c._n_kv_heads, scale,
@@ -109,8 +111,8 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
         row["kernel"] = _median_ms(kernel, repeats)
         row["splits"] = decode_kernels.split_count(caches[0]._n_compressed, shape["kv_heads"], plans[0].tile)
         if sweep:
-            defaults = {name: getattr(decode_kernels, name) for name in ("UNROLL", "THREADS", "TARGET_GROUPS",
-                                                                        "MIN_SPLIT_TOKENS")}
+            defaults = {name: getattr(decode_kernels, name) for name in ("TILED", "UNROLL", "THREADS",
+                                                                        "TARGET_GROUPS", "MIN_SPLIT_TOKENS")}
             for variant in SWEEP:
                 for name, value in {**defaults, **variant}.items():
                     setattr(decode_kernels, name, value)
@@ -126,9 +128,6 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
                 setattr(decode_kernels, name, value)
             for c in caches:
                 c._plan_cache = None
-    del caches, fetched
-    gc.collect()
-    mx.clear_cache()
     return rows
 
 
@@ -157,6 +156,8 @@ def main() -> None:
                 if "variant" not in row:
                     print(json.dumps(row), flush=True)
                 rows.append(row)
+            gc.collect()  # the caches of the last profile are unreachable now
+            mx.clear_cache()
     result = {"schema": "velox-bench/1", "kind": "decode-profile", "device": str(mx.default_device()),
               "mlx": mx.__version__, "shape": shape, "repeats": args.repeats, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -31,6 +31,8 @@ from engine.kvcache.kernels.decode import (  # noqa: E402
     attend_source,
     threads_for,
     tile_tokens,
+    tiled_source,
+    tiled_tile,
 )
 
 # A stand-in for "mlx/backend/cuda/device/utils.cuh": only what the wrapper and our bodies use.
@@ -105,11 +107,12 @@ PAIRS = (
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int) -> str:
-    source = attend_source(key, value)
-    tile = tile_tokens(key, group, head_dim, key_block)
+    tiled = tiled_tile(key, value, group, head_dim, key_block)  # the pass plan_decode picks
+    source = attend_source(key, value) if tiled is None else tiled_source()
+    tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
-                ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("CS", 4), ("NS", 4), ("HW", 1),
-                ("TD", "bfloat16")]
+                ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.bits),
+                ("VB", value.bits), ("CS", 4), ("NS", 4), ("HW", 1), ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
              "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8"}
     for prefix, codec in (("k", key), ("v", value)):
@@ -131,7 +134,8 @@ def main() -> None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows)) for label, k, v, g, kb in PAIRS]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
-                                [("D", args.head_dim), ("R", args.rows), ("TO", "bfloat16")])))
+                                [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),
+                                 ("MAXS", 256), ("TO", "bfloat16")])))
     for label, unit in units:
         if args.show and label.startswith(args.show):
             print(unit)

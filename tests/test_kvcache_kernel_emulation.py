@@ -101,6 +101,27 @@ def test_emulated_decode_kernel_matches_reference(spec: str) -> None:
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "kivi:k3v3:g32:w9:s4"])
+def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI keys + affine values take the tiled pass by default; the per-subgroup pass stays selectable
+    (decode.TILED = False) and must stay right too. Each plan names the pass it launched."""
+    from engine.kvcache.kernels import decode
+
+    for tiled in (True, False):
+        monkeypatch.setattr(decode, "TILED", tiled)
+        for tokens in (200, 301):  # past the first 128-token key block: something is compressed
+            cache = _filled(spec, tokens, 128, 4, seed=tokens)
+            queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
+            out = cache.attention(queries, None, None, scale=0.088, mask=None)
+            ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+            plan = cache._decode_plan(4)
+            assert plan is not None
+            assert (("KB", 4 if "k4" in spec else 3) if tiled else ("U", decode.UNROLL)) in plan.template
+            error = float(mx.max(mx.abs(out - ref)))
+            assert error <= 2e-3, (spec, tiled, tokens, error)
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k1v1:g64", "rvq:k3v3:g64"])
 def test_emulated_encode_kernel_matches_reference(spec: str) -> None:
     """The fused encode's codes, norms and residual scales (a code may differ where a value sits within

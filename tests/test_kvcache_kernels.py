@@ -25,7 +25,7 @@ from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, names_are_distinct
-from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source
+from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.encode import encode_source
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
@@ -35,7 +35,9 @@ CODEC_PAIRS = (
     *[(Codec("codebook", b), Codec("codebook", b)) for b in (1, 2, 3, 4)],
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
 )
-ALL_SOURCES = (MERGE_SOURCE, encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS))
+ALL_SOURCES = (
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS)
+)
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
 PARITY_SPECS = (
@@ -164,8 +166,13 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                                     "rscales": mx.bfloat16, "packed": mx.uint32, "residual": mx.uint32}
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
                                 {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
+    kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
+    units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine),
+                            {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
+                            {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "CS": 4,
+                             "NS": 4, "HW": 1, "TD": mx.bfloat16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o"), mx.float32),
-                            {"out": mx.bfloat16}, {"D": 128, "R": 4, "TO": mx.bfloat16}))
+                            {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "TO": mx.bfloat16}))
     for index, unit in enumerate(units):
         path = tmp_path / f"kernel{index}.cu"
         path.write_text(unit)

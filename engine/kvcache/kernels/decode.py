@@ -310,23 +310,274 @@ _ATTEND_BODY = """
   }
 """
 
-# The merge pass: one threadgroup per query row (bh·R + r), one thread per channel.
+# The tiled attention pass for KIVI keys and affine values (the app's levels). Same grid, splits and outputs as
+# the pass above, but a tile of CT tokens goes through three phases separated by barriers instead of each
+# subgroup carrying a token through everything, so no lane shuffles run per token and each exp runs once:
+#   1. scores: the tile's key codes are staged in shared memory (coalesced); thread (t, half) computes the
+#      dot product of token t's half of the channels with the R query rows (the keys' per-channel scales
+#      folded into the query once per tile, their biases into one term per row);
+#   2. softmax: one warp per row takes the tile's max and sums, updates the running max and denominator and
+#      writes the tile's weights;
+#   3. values: each thread owns 8 channels of every NSG-th token (its codes loaded at the start of the tile,
+#      so their latency overlaps phases 1-2) and accumulates weight × code, with the value's scale folded
+#      into the weight and its bias into one sum per row.
+# Registers stay low (no per-token key or value arrays), so more threadgroups are resident per processor.
+# Template ints as above plus KB, VB (key and value bits); CT divides GK and NT, NT/CT threads share a token
+# in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
+_TILED_BODY = """
+  constexpr int TPT = D / 8;           // phase 3: lanes per token (8 channels each)
+  constexpr int NSG = NT / TPT;        // phase 3: token groups
+  constexpr int TPG = CT / NSG;        // phase 3: tokens per thread per tile
+  constexpr int HALVES = NT / CT;      // phase 1: threads per token
+  constexpr int DH = D / HALVES;       // phase 1: channels per thread
+  constexpr int KW = CT * KB / 32;     // staged key words per channel per tile
+  constexpr int NW = NT / 32;          // warps
+  constexpr int VWT = D * VB / 32;     // value code words per token
+  constexpr int VG = D / G;            // value groups per token
+  const int bh = GROUP_Y;
+  const int n_comp = n_comp_r_shape[0] - 1;
+  const int n_win = HW ? (int)win_k_shape[2] : 0;
+  const int n_tiles = (n_comp + CT - 1) / CT;
+  const int tiles_per_split = (n_tiles + GROUPS_X - 1) / GROUPS_X;
+  const int c_begin = GROUP_X * tiles_per_split * CT;
+  const int c_end = (c_begin + tiles_per_split * CT < n_comp) ? c_begin + tiles_per_split * CT : n_comp;
+  const int comp_tiles = (c_end > c_begin) ? (c_end - c_begin + CT - 1) / CT : 0;
+  const int d_count = (GROUP_X == GROUPS_X - 1) ? NS + n_win : 0;
+  const int all_tiles = comp_tiles + (d_count + CT - 1) / CT;
+  const long k_row = (long)k0_shape[3];          // key code words per channel row
+  const long k_groups = (long)k1_shape[3];       // key blocks per channel row
+  const long v_row = (long)v0_shape[3];          // value code words per token (VWT)
+  const long v_groups = (long)v1_shape[3];       // value groups per token
+  const long cap = (long)v0_shape[2];
+
+  SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
+  SHARED float sh_qs[D * R];         // queries x the tile's key scales
+  SHARED float sh_kb[D];             // the tile's key biases
+  SHARED U32 sh_kw[D * KW + 1];      // the tile's key codes, one row of KW words per channel
+  SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
+  SHARED float sh_vs[CT * VG];       // ... their scales
+  SHARED float sh_vb[CT * VG];       // ... and biases
+  SHARED float sh_s[HALVES * R * CT];
+  SHARED float sh_p[R * CT];
+  SHARED float sh_m[R];
+  SHARED float sh_l[R];
+  SHARED float sh_corr[R];
+  const float scale = qscale[0];
+  for (int i = TID; i < R * D; i += NT) sh_q[(i % D) * R + i / D] = scale * (float)qry[(long)bh * R * D + i];
+  if (TID < R) { sh_m[TID] = -1e30f; sh_l[TID] = 0.0f; }
+
+  const int lane = TID % TPT;
+  const int tg = TID / TPT;
+  float o_acc[R][8];
+  float o_bias[R];
+  for (int r = 0; r < R; ++r) {
+    o_bias[r] = 0.0f;
+    for (int i = 0; i < 8; ++i) o_acc[r][i] = 0.0f;
+  }
+  const int t1 = TID % CT;       // phase 1: this thread's token in the tile
+  const int half = TID / CT;     // ... and its share of the channels
+
+  for (int tile = 0; tile < all_tiles; ++tile) {
+    const bool dense = tile >= comp_tiles;
+    const int base = dense ? (tile - comp_tiles) * CT : c_begin + tile * CT;
+    BARRIER();   // the previous tile's readers of the staged arrays are done
+    if (!dense) {
+      // Stage the tile in shared memory: key codes, the key block's scales and biases, value codes, scales
+      // and biases. Staging the values too (rather than loading them into registers ahead of phase 3) keeps
+      // registers for the accumulators. (Loading everything into registers first and storing after took the
+      // kernel from 128 to 174 registers under nvcc for sm_90a; benchmarks/kernel_resources.py.)
+      const int kg = base / GK;
+      // Stage the tile (coalesced loads; each loop's loads are independent of one another).
+      for (int i = TID; i < D * KW; i += NT) sh_kw[i] = k0[((long)bh * D + i / KW) * k_row + (long)base * KB / 32 + i % KW];
+      for (int i = TID; i < CT * VWT; i += NT) {
+        const long c = (base + i / VWT < c_end) ? base + i / VWT : c_begin;
+        sh_vw[i] = v0[((long)bh * cap + c) * v_row + i % VWT];
+      }
+      for (int i = TID; i < CT * VG; i += NT) {
+        const long c = (base + i / VG < c_end) ? base + i / VG : c_begin;
+        sh_vs[i] = (float)v1[((long)bh * cap + c) * v_groups + i % VG];
+        sh_vb[i] = (float)v2[((long)bh * cap + c) * v_groups + i % VG];
+      }
+      for (int d = TID; d < D; d += NT) {
+        const float ks = (float)k1[((long)bh * D + d) * k_groups + kg];
+        sh_kb[d] = (float)k2[((long)bh * D + d) * k_groups + kg];
+        for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * ks;
+      }
+      BARRIER();
+      // Phase 1 (compressed): codes of token t1, channels [half*DH, half*DH + DH).
+      float acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+      const int bit = t1 * KB;
+      const int w = bit >> 5;
+      const int sh = bit & 31;
+      // Unrolled by 2 only: a full unroll hoists the shared loads of many channels (128 registers, against
+      // 101 here for D = 128, R = 4; fewer registers, more resident threadgroups).
+#pragma unroll 2
+      for (int d = half * DH; d < half * DH + DH; ++d) {
+        U32 code = sh_kw[d * KW + w] >> sh;
+        if (sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
+        const float x = U2F(code & ((1u << KB) - 1u));
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
+      }
+      for (int r = 0; r < R; ++r) sh_s[(half * R + r) * CT + t1] = acc[r];
+    } else {
+      // Phase 1 (16-bit sinks, then window): token t1's keys read directly.
+      float acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+      const int dd = base + t1;
+      if (dd < d_count) {
+        const GLOBAL TD* kp = (dd < NS) ? sink_k + ((long)bh * NS + dd) * D : win_k + ((long)bh * n_win + (dd - NS)) * D;
+        for (int d = half * DH; d < half * DH + DH; ++d) {
+          const float x = (float)kp[d];
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r] += sh_q[d * R + r] * x;
+        }
+      }
+      for (int r = 0; r < R; ++r) sh_s[(half * R + r) * CT + t1] = acc[r];
+    }
+    BARRIER();
+    // Phase 2: warp r takes row r (and r + NW, ...): the keys' bias term, the tile's max and weights.
+    const int wid = TID / 32;
+    const int wl = TID % 32;
+    for (int r = wid; r < R; r += NW) {
+      float qb = 0.0f;
+      if (!dense) {
+        for (int d = wl; d < D; d += 32) qb += sh_q[d * R + r] * sh_kb[d];
+        for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
+      }
+      float tmax = -1e30f;
+      for (int t = wl; t < CT; t += 32) {
+        float s = qb;
+        for (int h = 0; h < HALVES; ++h) s += sh_s[(h * R + r) * CT + t];
+        const int c = base + t;
+        const bool ok = dense ? (c < d_count) : (c < c_end && c >= CS);
+        s = ok ? s : -1e30f;
+        sh_p[r * CT + t] = s;
+        tmax = FMAX(tmax, s);
+      }
+      for (int st = 16; st > 0; st >>= 1) tmax = FMAX(tmax, LANE_XOR(tmax, st));
+      const float m_old = sh_m[r];
+      const float m_new = FMAX(m_old, tmax);
+      float lsum = 0.0f;
+      for (int t = wl; t < CT; t += 32) {
+        const float s = sh_p[r * CT + t];
+        const float p = (s > -1e29f) ? EXP(s - m_new) : 0.0f;
+        sh_p[r * CT + t] = p;
+        lsum += p;
+      }
+      for (int st = 16; st > 0; st >>= 1) lsum += LANE_XOR(lsum, st);
+      if (wl == 0) {
+        const float corr = EXP(m_old - m_new);
+        sh_corr[r] = corr;
+        sh_l[r] = sh_l[r] * corr + lsum;
+        sh_m[r] = m_new;
+      }
+    }
+    BARRIER();
+    // Phase 3: rescale, then weight x value of this thread's tokens.
+    for (int r = 0; r < R; ++r) {
+      const float corr = sh_corr[r];
+      o_bias[r] *= corr;
+      for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
+    }
+    if (!dense) {
+      const int vbit = lane * 8 * VB;
+      const int vw = vbit >> 5;
+      const int vsh = vbit & 31;
+      const int vg = (lane * 8) / G;
+#pragma unroll
+      for (int j = 0; j < TPG; ++j) {
+        const int t = tg + j * NSG;
+        U64 bits = (U64)sh_vw[t * VWT + vw];
+        if (vsh + 8 * VB > 32) bits |= ((U64)sh_vw[t * VWT + vw + 1]) << 32;
+        bits >>= vsh;
+        const float vscale = sh_vs[t * VG + vg];
+        const float vbias = sh_vb[t * VG + vg];
+        float x[8];
+        for (int i = 0; i < 8; ++i) x[i] = U2F(((U32)(bits >> (i * VB))) & ((1u << VB) - 1u));
+        for (int r = 0; r < R; ++r) {
+          const float p = sh_p[r * CT + t];
+          const float ps = p * vscale;
+          o_bias[r] += p * vbias;
+          for (int i = 0; i < 8; ++i) o_acc[r][i] += ps * x[i];
+        }
+      }
+    } else {
+      for (int j = 0; j < TPG; ++j) {
+        const int t = tg + j * NSG;
+        const int dd = base + t;
+        if (dd < d_count) {
+          const GLOBAL TD* vp = (dd < NS) ? sink_v + ((long)bh * NS + dd) * D : win_v + ((long)bh * n_win + (dd - NS)) * D;
+          float x[8];
+          for (int i = 0; i < 8; ++i) x[i] = (float)vp[lane * 8 + i];
+          for (int r = 0; r < R; ++r) {
+            const float p = sh_p[r * CT + t];
+            for (int i = 0; i < 8; ++i) o_acc[r][i] += p * x[i];
+          }
+        }
+      }
+    }
+  }
+
+  // The NSG token groups share one running max (block-uniform): their outputs just add up.
+  SHARED float sh_o[NSG * D];
+  const long split_row = ((long)bh * GROUPS_X + GROUP_X) * R;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {   // unrolled: o_acc[r] stays in registers (a runtime index puts it in memory)
+    BARRIER();
+    for (int i = 0; i < 8; ++i) sh_o[tg * D + lane * 8 + i] = o_acc[r][i] + o_bias[r];
+    BARRIER();
+    for (int d = TID; d < D; d += NT) {
+      float acc = 0.0f;
+      for (int g = 0; g < NSG; ++g) acc += sh_o[g * D + d];
+      part_o[(split_row + r) * D + d] = acc;
+    }
+    if (TID == 0) {
+      part_m[split_row + r] = sh_m[r];
+      part_l[split_row + r] = sh_l[r];
+    }
+  }
+"""
+
+# The merge pass: one threadgroup of NM = max(D, 32) threads per query row (bh·R + r). The splits' maxima and
+# weights are computed in parallel (one split per thread) and reduced across the threadgroup; then each of the
+# first D threads sums one output channel over the splits, loads independent of each other. (A loop over the
+# splits in every thread, each step waiting for its load, cost ~20-40 us a layer at 64-128 splits on an H200.)
 _MERGE_BODY = """
+  constexpr int NWM = NM / 32;
   const int row = GROUP_X;
   const int bh = row / R;
   const int r = row % R;
   const int splits = part_m_shape[1];
+  SHARED float sh_w[MAXS];
+  SHARED float sh_red[NWM];
   float big = -1e30f;
-  for (int s = 0; s < splits; ++s) big = FMAX(big, part_m[((long)bh * splits + s) * R + r]);
-  float numerator = 0.0f;
+  for (int s = TID; s < splits; s += NM) big = FMAX(big, part_m[((long)bh * splits + s) * R + r]);
+  for (int st = 16; st > 0; st >>= 1) big = FMAX(big, LANE_XOR(big, st));
+  if (TID % 32 == 0) sh_red[TID / 32] = big;
+  BARRIER();
+  big = sh_red[0];
+  for (int i = 1; i < NWM; ++i) big = FMAX(big, sh_red[i]);
   float denominator = 0.0f;
-  for (int s = 0; s < splits; ++s) {
+  for (int s = TID; s < splits; s += NM) {
     const long at = ((long)bh * splits + s) * R + r;
     const float w = EXP(part_m[at] - big);
-    numerator += w * part_o[at * D + TID];
+    sh_w[s] = w;
     denominator += w * part_l[at];
   }
-  out[(long)row * D + TID] = static_cast<TO>(numerator / denominator);
+  for (int st = 16; st > 0; st >>= 1) denominator += LANE_XOR(denominator, st);
+  BARRIER();
+  if (TID % 32 == 0) sh_red[TID / 32] = denominator;
+  BARRIER();
+  denominator = 0.0f;
+  for (int i = 0; i < NWM; ++i) denominator += sh_red[i];
+  if (TID < D) {
+    float numerator = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) numerator += sh_w[s] * part_o[(((long)bh * splits + s) * R + r) * D + TID];
+    out[(long)row * D + TID] = static_cast<TO>(numerator / denominator);
+  }
 """
 
 MERGE_SOURCE = KernelSource(
@@ -386,6 +637,40 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
         header=_HEADER,
         defines=staged + key.macro("KEY") + value.macro("VALUE"),
     )
+
+
+# The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
+# them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
+TILED = True
+
+
+@functools.cache
+def tiled_source() -> KernelSource:
+    """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
+    inputs = (
+        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
+        "k0", "k1", "k2", "v0", "v1", "v2",
+    )
+    return KernelSource(
+        name="velox_decode_tiled_kivi_affine",
+        input_names=inputs,
+        output_names=("part_m", "part_l", "part_o"),
+        body=_TILED_BODY,
+        header=_HEADER,
+    )
+
+
+def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None) -> int | None:
+    """CT of the tiled pass for this pair and layout, or None where it does not apply (see `_TILED_BODY`)."""
+    if not TILED or key.kind != "kivi_keys" or value.kind != "affine":
+        return None
+    threads = threads_for(head_dim)
+    token_groups = threads // (head_dim // 8)
+    tile = min(64, key_block or group_size)
+    block = key_block or group_size
+    if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
+        return None
+    return tile
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -476,13 +761,21 @@ def plan_decode(
     key_block: int | None = None,
 ) -> DecodePlan:
     """The DecodePlan of one cache (the caller checked `tile_tokens` is not None)."""
-    tile = tile_tokens(key_codec, group_size, head_dim, key_block)
-    assert tile is not None
     threads = threads_for(head_dim)
-    template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size), ("GK", key_block or group_size),
-                ("CT", tile), ("U", UNROLL))
+    tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block)
+    if tiled is not None:
+        tile = tiled
+        source = tiled_source()
+        template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
+                    ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits))
+    else:
+        tile = tile_tokens(key_codec, group_size, head_dim, key_block)
+        assert tile is not None
+        source = attend_source(key_codec, value_codec)
+        template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
+                    ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
     return DecodePlan(
-        attend=kernel(attend_source(key_codec, value_codec), backend),
+        attend=kernel(source, backend),
         merge=kernel(MERGE_SOURCE, backend),
         arrays=(*key_arrays, *value_arrays),
         template=template,
@@ -529,11 +822,12 @@ def decode_attention(
         output_shapes=[(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
+    merge_threads = max(32, head_dim)
     (out,) = plan.merge(
         inputs=[part_m, part_l, part_o],
-        template=[("D", head_dim), ("R", rows), ("TO", queries.dtype)],
-        grid=(bh * rows * head_dim, 1, 1),
-        threadgroup=(head_dim, 1, 1),
+        template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS), ("TO", queries.dtype)],
+        grid=(bh * rows * merge_threads, 1, 1),
+        threadgroup=(merge_threads, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
     )
