@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SWEEP = (
     {"TILED": False}, {"TILED": False, "TARGET_GROUPS": 256},
+    {"TILED_TARGET_GROUPS": 128}, {"TILED_TARGET_GROUPS": 512}, {"TILED_TARGET_GROUPS": 1024},
     {"UNROLL": 1}, {"UNROLL": 4}, {"THREADS": 256}, {"THREADS": 256, "UNROLL": 1},
     {"TARGET_GROUPS": 256}, {"TARGET_GROUPS": 512}, {"TARGET_GROUPS": 2048}, {"TARGET_GROUPS": 4096},
     {"MIN_SPLIT_TOKENS": 64}, {"MIN_SPLIT_TOKENS": 256}, {"MIN_SPLIT_TOKENS": 512},
@@ -54,7 +55,8 @@ def _median_ms(run: Any, repeats: int) -> float:
     return sorted(times)[len(times) // 2] * 1000
 
 
-def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep: bool) -> list[dict[str, Any]]:
+def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep: bool,
+            variants: tuple[dict[str, Any], ...] = SWEEP) -> list[dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm.models.base import scaled_dot_product_attention
 
@@ -109,11 +111,12 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
             return outs
 
         row["kernel"] = _median_ms(kernel, repeats)
-        row["splits"] = decode_kernels.split_count(caches[0]._n_compressed, shape["kv_heads"], plans[0].tile)
+        row["splits"] = decode_kernels.split_count(caches[0]._n_compressed, shape["kv_heads"], plans[0].tile,
+                                                   plans[0].target_groups)
         if sweep:
-            defaults = {name: getattr(decode_kernels, name) for name in ("TILED", "UNROLL", "THREADS",
-                                                                        "TARGET_GROUPS", "MIN_SPLIT_TOKENS")}
-            for variant in SWEEP:
+            defaults = {name: getattr(decode_kernels, name) for name in (
+                "TILED", "TILED_TARGET_GROUPS", "UNROLL", "THREADS", "TARGET_GROUPS", "MIN_SPLIT_TOKENS")}
+            for variant in variants:
                 for name, value in {**defaults, **variant}.items():
                     setattr(decode_kernels, name, value)
                 for c in caches:
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--specs", default="fp16,kivi:k4v4:g64:s4:key_block=128:rotate_values=true")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--variants", help="the sweep's variants as a JSON list of {constant: value} (default: SWEEP)")
     parser.add_argument("--shape", default="8b", choices=("8b", "tiny"))
     args = parser.parse_args()
 
@@ -152,7 +156,8 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for spec in args.specs.split(","):
-            for row in profile(spec, context, shape, args.repeats, args.sweep):
+            variants = tuple(json.loads(args.variants)) if args.variants else SWEEP
+            for row in profile(spec, context, shape, args.repeats, args.sweep, variants):
                 if "variant" not in row:
                     print(json.dumps(row), flush=True)
                 rows.append(row)

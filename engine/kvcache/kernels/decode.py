@@ -46,6 +46,9 @@ MIN_SPLIT_TOKENS = 128
 # ...and the grid aims at this many threadgroups (~8 per multiprocessor of a 132-SM H200; enough to
 # keep memory busy on smaller GPUs too).
 TARGET_GROUPS = 1024
+# The tiled pass (below) aims at fewer, longer splits: on an H200 at 32,769 tokens (8B shape, 32 layers) its
+# kernel time was 3.62 ms at 256 threadgroups against 4.34 ms at 1024 (benchmarks/results/decode-profile-h200.json).
+TILED_TARGET_GROUPS = 256
 MAX_SPLITS = 256
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
@@ -703,12 +706,12 @@ def tile_tokens(key: Codec, group_size: int, head_dim: int, key_block: int | Non
     return tile
 
 
-def split_count(n_compressed: int, n_rows: int, tile: int) -> int:
-    """Splits of the compressed tokens: enough threadgroups to fill the GPU, at least MIN_SPLIT_TOKENS
-    each, whole tiles each, and no split left empty."""
+def split_count(n_compressed: int, n_rows: int, tile: int, target_groups: int | None = None) -> int:
+    """Splits of the compressed tokens: about `target_groups` threadgroups (default TARGET_GROUPS) to fill
+    the GPU, at least MIN_SPLIT_TOKENS each, whole tiles each, and no split left empty."""
     tiles = max(1, math.ceil(n_compressed / tile))
     by_tokens = max(1, math.ceil(n_compressed / MIN_SPLIT_TOKENS))
-    by_groups = max(1, TARGET_GROUPS // max(1, n_rows))
+    by_groups = max(1, (target_groups or TARGET_GROUPS) // max(1, n_rows))
     wanted = max(1, min(tiles, by_tokens, by_groups, MAX_SPLITS))
     per_split = math.ceil(tiles / wanted)
     return math.ceil(tiles / per_split)
@@ -747,6 +750,7 @@ class DecodePlan:
     template: tuple[tuple[str, object], ...]
     tile: int
     threads: int
+    target_groups: int
 
 
 def plan_decode(
@@ -781,6 +785,7 @@ def plan_decode(
         template=template,
         tile=tile,
         threads=threads,
+        target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
     )
 
 
@@ -811,7 +816,7 @@ def decode_attention(
     win_k, win_v = window if window is not None else (_dummy(head_dim, dense), _dummy(head_dim, dense))
     n_sink = 0 if sink is None else sink[0].shape[-2]
     bh = batch * n_kv
-    splits = split_count(n_compressed, bh, plan.tile)
+    splits = split_count(n_compressed, bh, plan.tile, plan.target_groups)
     threads = plan.threads
 
     part_m, part_l, part_o = plan.attend(
