@@ -135,7 +135,7 @@ def main() -> None:
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows)) for label, k, v, g, kb in PAIRS]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
                                 [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),
-                                 ("MAXS", 256), ("TO", "bfloat16")])))
+                                 ("MAXS", 256), ("ROT", 1), ("TO", "bfloat16")])))
     for label, unit in units:
         if args.show and label.startswith(args.show):
             print(unit)

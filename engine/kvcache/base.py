@@ -402,6 +402,12 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
     def _output_out(self, output: mx.array) -> mx.array:
         return output
 
+    def _output_rotation_signs(self) -> mx.array | None:
+        """Where `_output_out` is exactly a Sylvester-Hadamard inverse rotation, its signs/sqrt(d) (see
+        `Rotation.sylvester_inverse_signs`): the decode kernel's merge pass then rotates the output back itself
+        (one launch instead of four small ones per layer and token). None: `_output_out` runs after the kernel."""
+        return None
+
     def _keys_out(self, keys: mx.array) -> mx.array:
         return keys
 
@@ -796,6 +802,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
     def _kernel_attention(self, plan: _kernels.DecodePlan, queries: mx.array, scale: float) -> mx.array:
         """`attention` of one new token per sequence through the fused decode kernel (see kernels/decode.py)."""
+        signs = self._output_rotation_signs()
         output = _kernels.decode_attention(
             plan,
             self._queries_in(queries),
@@ -805,8 +812,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             (self._window_keys, self._window_values) if self.n_window else None,
             self._n_compressed,
             self.n_duplicated,
+            out_signs=signs,
         )
-        output = self._output_out(output)
+        if signs is None:
+            output = self._output_out(output)
         return output if output.dtype == queries.dtype else output.astype(queries.dtype)
 
     # ----- state and dense export ---------------------------------------------------------------------------

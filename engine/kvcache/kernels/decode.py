@@ -575,17 +575,38 @@ _MERGE_BODY = """
   BARRIER();
   denominator = 0.0f;
   for (int i = 0; i < NWM; ++i) denominator += sh_red[i];
+  float value = 0.0f;
   if (TID < D) {
     float numerator = 0.0f;
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) numerator += sh_w[s] * part_o[(((long)bh * splits + s) * R + r) * D + TID];
-    out[(long)row * D + TID] = static_cast<TO>(numerator / denominator);
+    value = numerator / denominator;
   }
+  if (ROT) {
+    // The cache's inverse rotation signs ⊙ (H y)/sqrt(D), H the Sylvester Hadamard matrix (mx.hadamard_transform's),
+    // as an in-place butterfly over the row: stage h maps (a, b) at (i, i|h) to (a + b, a - b).
+    SHARED float sh_y[NM];
+    sh_y[TID] = value;
+    BARRIER();
+    for (int h = 1; h < D; h <<= 1) {
+      float mixed = 0.0f;
+      if (TID < D) {
+        const float mine = sh_y[TID];
+        const float other = sh_y[TID ^ h];
+        mixed = (TID & h) ? other - mine : mine + other;
+      }
+      BARRIER();
+      sh_y[TID] = mixed;
+      BARRIER();
+    }
+    value = sh_y[TID] * ((TID < D) ? signs[TID] : 0.0f);
+  }
+  if (TID < D) out[(long)row * D + TID] = static_cast<TO>(value);
 """
 
 MERGE_SOURCE = KernelSource(
     name="velox_decode_merge",
-    input_names=("part_m", "part_l", "part_o"),
+    input_names=("part_m", "part_l", "part_o", "signs"),
     output_names=("out",),
     body=_MERGE_BODY,
 )
@@ -798,6 +819,7 @@ def decode_attention(
     window: tuple[mx.array, mx.array] | None,
     n_compressed: int,
     n_skipped: int = 0,
+    out_signs: mx.array | None = None,
 ) -> mx.array:
     """Attention of one query token per sequence over sink + compressed + window.
 
@@ -807,6 +829,8 @@ def decode_attention(
     arrays in the plan are the cache's whole buffers (capacity >= n_compressed tokens: only the first
     n_compressed are read, and passing the buffers rather than views avoids a copy of the history a step).
     The first `n_skipped` compressed tokens are not attended (copies of the sinks kept in a block stream).
+    `out_signs` (float32 [D], see `Rotation.sylvester_inverse_signs`): the merge pass also rotates the output
+    back, signs ⊙ H·out, instead of the caller (in float32, before the cast to the queries' dtype).
     """
     batch, n_heads, _, head_dim = queries.shape
     rows = n_heads // n_kv
@@ -829,8 +853,9 @@ def decode_attention(
     )
     merge_threads = max(32, head_dim)
     (out,) = plan.merge(
-        inputs=[part_m, part_l, part_o],
-        template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS), ("TO", queries.dtype)],
+        inputs=[part_m, part_l, part_o, _scale_array(1.0) if out_signs is None else out_signs],
+        template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS),
+                  ("ROT", int(out_signs is not None)), ("TO", queries.dtype)],
         grid=(bh * rows * merge_threads, 1, 1),
         threadgroup=(merge_threads, 1, 1),
         output_shapes=[queries.shape],

@@ -85,6 +85,9 @@ class RotationMixin:
     def _output_out(self, output: mx.array) -> mx.array:
         return self._rotation.inverse(output)
 
+    def _output_rotation_signs(self) -> mx.array | None:
+        return None if self._rotation is None else self._rotation.sylvester_inverse_signs()
+
     def _keys_out(self, keys: mx.array) -> mx.array:
         return self._rotation.inverse(keys)
 

@@ -209,6 +209,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _output_out(self, output: mx.array) -> mx.array:
         return output if self._value_rotation is None else self._value_rotation.inverse(output)
 
+    def _output_rotation_signs(self) -> mx.array | None:
+        if isinstance(self._value_rotation, Rotation):
+            return self._value_rotation.sylvester_inverse_signs()
+        return None
+
     def _values_out(self, values: mx.array) -> mx.array:
         return values if self._value_rotation is None else self._value_rotation.inverse(values)
 

@@ -153,6 +153,9 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
     def _values_in(self, values: mx.array) -> mx.array:
         return super()._values_in(values.astype(mx.float32) / self._smooth["value"].astype(mx.float32))
 
+    def _output_rotation_signs(self) -> mx.array | None:
+        return None  # `_output_out` also undoes the values' smoothing: it runs after the kernel
+
     def _output_out(self, output: mx.array) -> mx.array:
         return super()._output_out(output) * self._smooth["value"].astype(mx.float32)
 
