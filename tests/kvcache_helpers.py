@@ -134,6 +134,18 @@ def filled(cache: Any, keys: mx.array, values: mx.array, chunk: int = 37) -> Any
     return cache
 
 
+def filled_then_stepped(cache: Any, keys: mx.array, values: mx.array) -> Any:
+    """`cache` fed all but the last 3 tokens in one untidy chunk, then token by token (as a prefill and decode
+    steps fill it), evaluated."""
+    tokens = keys.shape[-2]
+    cut = max(1, tokens - 3)
+    cache.update_and_fetch(keys[..., :cut, :], values[..., :cut, :])
+    for t in range(cut, tokens):
+        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    mx.eval(cache.state)
+    return cache
+
+
 def queries_for(
     n_query_heads: int, n_queries: int, head_dim: int, seed: int = 5, dtype: mx.Dtype = mx.float32
 ) -> mx.array:

@@ -21,6 +21,7 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
+from tests.kvcache_helpers import filled_then_stepped
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
                                                           "which is not on PATH")
@@ -63,12 +64,7 @@ def _filled(spec: str, tokens: int, head_dim: int, rows: int, seed: int):
     rng = np.random.default_rng(seed)
     keys = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
     values = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
-    cut = max(1, tokens - 3)
-    cache.update_and_fetch(keys[..., :cut, :], values[..., :cut, :])
-    for t in range(cut, tokens):
-        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
-    mx.eval(cache.state)
-    return cache
+    return filled_then_stepped(cache, keys, values)
 
 
 def _reference_of(cache):

@@ -27,6 +27,7 @@ from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.encode import encode_source
+from tests.kvcache_helpers import filled_then_stepped
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -244,12 +245,7 @@ def _filled(method: str, bits: int, group: int, window: int, sinks: int, tokens:
     rng = np.random.default_rng(seed)
     keys = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
     values = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
-    cut = max(1, tokens - 3)
-    cache.update_and_fetch(keys[..., :cut, :], values[..., :cut, :])
-    for t in range(cut, tokens):
-        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
-    mx.eval(cache.state)
-    return cache
+    return filled_then_stepped(cache, keys, values)
 
 
 needs_gpu = pytest.mark.skipif(available_backend() is None,
