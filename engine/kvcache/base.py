@@ -741,9 +741,11 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
-        if _kernels.decode.tile_tokens(
-            codecs[0], self.config.group_size, self._k_head_dim, self._kernel_key_block()
-        ) is None:
+        layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
+        if (
+            _kernels.decode.tiled_tile(codecs[0], codecs[2], *layout) is None
+            and _kernels.decode.tile_tokens(codecs[0], *layout) is None
+        ):
             return (
                 f"the decode kernel has no tile for group size {self.config.group_size} "
                 f"at head_dim {self._k_head_dim}"

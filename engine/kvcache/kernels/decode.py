@@ -368,6 +368,11 @@ _TILED_BODY = """
   const float scale = qscale[0];
   for (int i = TID; i < R * D; i += NT) sh_q[(i % D) * R + i / D] = scale * (float)qry[(long)bh * R * D + i];
   if (TID < R) { sh_m[TID] = -1e30f; sh_l[TID] = 0.0f; }
+  // Codes on a non-uniform grid (KIVI's key_grid / value_grid): code c stands for grid[c] in code units, so
+  // scale·grid[c] + bias; the keys' fold of scale and bias into the query holds as for plain codes.
+  SHARED float sh_kgrid[16];
+  SHARED float sh_vgrid[16];
+  if (TID < 16) { sh_kgrid[TID] = kgrid[TID]; sh_vgrid[TID] = vgrid[TID]; }
 
   const int lane = TID % TPT;
   const int tg = TID / TPT;
@@ -419,7 +424,7 @@ _TILED_BODY = """
       for (int d = half * DH; d < half * DH + DH; ++d) {
         U32 code = sh_kw[d * KW + w] >> sh;
         if (sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
-        const float x = U2F(code & ((1u << KB) - 1u));
+        const float x = KGRID ? sh_kgrid[code & ((1u << KB) - 1u)] : U2F(code & ((1u << KB) - 1u));
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
       }
@@ -498,7 +503,10 @@ _TILED_BODY = """
         const float vscale = sh_vs[t * VG + vg];
         const float vbias = sh_vb[t * VG + vg];
         float x[8];
-        for (int i = 0; i < 8; ++i) x[i] = U2F(((U32)(bits >> (i * VB))) & ((1u << VB) - 1u));
+        for (int i = 0; i < 8; ++i) {
+          const U32 code = ((U32)(bits >> (i * VB))) & ((1u << VB) - 1u);
+          x[i] = VGRID ? sh_vgrid[code] : U2F(code);
+        }
         for (int r = 0; r < R; ++r) {
           const float p = sh_p[r * CT + t];
           const float ps = p * vscale;
@@ -619,6 +627,9 @@ class Codec:
     kind: str
     bits: int
     bits2: int = 0
+    # Codes on a non-uniform grid (KIVI's key_grid / value_grid options): the role's arrays end with the grid's
+    # levels in code units (float32, 16 entries); only the tiled pass reads them.
+    grid: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _CODEC_MACROS:
@@ -673,7 +684,7 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        "k0", "k1", "k2", "v0", "v1", "v2",
+        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid",
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -688,6 +699,8 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
     """CT of the tiled pass for this pair and layout, or None where it does not apply (see `_TILED_BODY`)."""
     if not TILED or key.kind != "kivi_keys" or value.kind != "affine":
         return None
+    if (key.grid and key.bits > 4) or (value.grid and value.bits > 4):
+        return None  # a grid's table holds at most 16 levels
     threads = threads_for(head_dim)
     token_groups = threads // (head_dim // 8)
     tile = min(64, key_block or group_size)
@@ -720,6 +733,8 @@ def tile_tokens(key: Codec, group_size: int, head_dim: int, key_block: int | Non
     inside one key block (`key_block`, default the group size: one scale per channel) and of at most 64
     tokens (shared memory).
     """
+    if key.grid:
+        return None  # only the tiled pass reads codes on a grid
     per_iteration = UNROLL * threads_for(head_dim) // (head_dim // 8)
     tile = min(key_block or group_size, 64) if key.kind == "kivi_keys" else 64
     if tile % per_iteration or tile % 8:
@@ -747,6 +762,14 @@ def _scale_array(scale: float) -> mx.array:
     array = _SCALES.get(scale)
     if array is None:
         array = _SCALES[scale] = mx.full((8,), scale, dtype=mx.float32)
+    return array
+
+
+def _no_grid() -> mx.array:
+    """The tiled pass's grid input for a role without a grid (read into shared memory, never used)."""
+    array = _DUMMIES.get((16, "grid"))
+    if array is None:
+        array = _DUMMIES[(16, "grid")] = mx.zeros((16,), dtype=mx.float32)
     return array
 
 
@@ -788,11 +811,16 @@ def plan_decode(
     """The DecodePlan of one cache (the caller checked `tile_tokens` is not None)."""
     threads = threads_for(head_dim)
     tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block)
+    arrays = (*key_arrays, *value_arrays)
     if tiled is not None:
         tile = tiled
         source = tiled_source()
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
-                    ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits))
+                    ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
+                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)))
+        # codes, scales, biases of each role, then the two grids (a placeholder where a role has none)
+        arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
+                  value_arrays[3] if value_codec.grid else _no_grid())
     else:
         tile = tile_tokens(key_codec, group_size, head_dim, key_block)
         assert tile is not None
@@ -802,7 +830,7 @@ def plan_decode(
     return DecodePlan(
         attend=kernel(source, backend),
         merge=kernel(MERGE_SOURCE, backend),
-        arrays=(*key_arrays, *value_arrays),
+        arrays=arrays,
         template=template,
         tile=tile,
         threads=threads,
