@@ -47,9 +47,12 @@ a non-uniform grid of levels (`quant/grids.py`, KVQuant's "nuq" idea): each grou
 bias, but code c means scale·grid[c] + bias, with the levels placed where min-max-normalized keys (values) of
 real prose lie. The arrays and bytes are those of plain KIVI. No `mx.quantized_matmul` reads a grid, so
 attention decodes the gridded role (float32) and multiplies; the decode kernel declines the option
-(`kernel_declines`). Measured on SmolLM2-135M: `key_grid=lloyd` pays at 2 bits (teacher-forced KL about 0.6 ->
-0.29 on tuning windows), the grids do not pay at 3 bits (keys: KL 0.059 -> 0.067-0.070); see
-benchmarks/results/near_lossless_lowbits.json for held-out prose.
+(`kernel_declines`). Measured on SmolLM2-135M, held-out prose (benchmarks/results/near_lossless_lowbits.json):
+at 2 bits `key_grid=lloyd` is perplexity +40.2% (KL 0.347) and with rotate_values=true +32.1% (KL 0.300), against
++88.7% plain and +53.9% with clip_search, at the same 2.39 bits; at 3 and 4 bits the grids cost quality (3-bit
+key_grid +8.6%, value_grid +10.7%, against +7.2%; 4-bit value_grid +1.21% against +1.04%), and at 2 bits
+value_grid does too (+55.7%). The levels are MSE-optimal, which at 3+ bits moves the outer levels off the group's
+extremes that large attention scores depend on.
 
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
