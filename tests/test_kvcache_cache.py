@@ -34,6 +34,10 @@ CONFIGS = {
     "kivi-rotated-values": KVCacheConfig("kivi", 4, group_size=32, sink_tokens=2, options={"rotate_values": True}),
     "kivi-plain-hadamard-values": KVCacheConfig("kivi", 3, group_size=32, options={"rotate_values": "plain"}),
     "kivi-clip-search": KVCacheConfig("kivi", 4, group_size=32, sink_tokens=2, options={"clip_search": True}),
+    "kivi-key-grid": KVCacheConfig("kivi", 2, group_size=32, sink_tokens=2, options={"key_grid": "lloyd"}),
+    "kivi-grids": KVCacheConfig(
+        "kivi", 3, group_size=32, options={"key_grid": "lloyd_ends", "value_grid": "lloyd", "key_block": 64}
+    ),
 }
 
 

@@ -552,3 +552,71 @@ def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
     assert get_method("kivi").kernel_declines(config) is None
     with pytest.raises(ConfigError, match="clip_search"):
         KVCacheConfig("kivi", 4, options={"clip_search": "yes"}).validate(64)
+
+
+def test_grid_quantize_keeps_the_affine_layout_and_decodes_onto_the_grid() -> None:
+    """grid_quantize stores MLX's affine arrays (same shapes, dtypes, packing, scale = range/(2^b - 1), bias = min);
+    a code decodes to scale·grid[code] + bias, the grid level nearest to the value; on bell-shaped groups the
+    Lloyd grids decode closer than evenly spaced levels."""
+    from engine.kvcache.methods.affine import affine_dequantize, affine_quantize
+    from engine.kvcache.quant.bitpack import unpack_bits
+    from engine.kvcache.quant.grids import GRIDS, grid_dequantize, grid_levels, grid_quantize
+
+    x = mx.random.normal((2, 3, 16, 128), key=mx.random.key(9)).astype(mx.float16)
+    for bits in (2, 3, 4):
+        for name in GRIDS:
+            levels = grid_levels(name, "key", bits)
+            assert levels.shape == (2**bits,) and mx.all(levels[1:] > levels[:-1]).item()
+            stored = grid_quantize(x, "key", 64, bits, name)
+            plain = affine_quantize(x, "key", 64, bits)
+            assert {n: (a.shape, a.dtype) for n, a in stored.items()} == {n: (a.shape, a.dtype) for n, a in plain.items()}
+            scales = stored["key_scales"].astype(mx.float32)[..., None]
+            biases = stored["key_biases"].astype(mx.float32)[..., None]
+            codes = unpack_bits(stored["key_codes"], bits, 128).reshape(2, 3, 16, 2, 64)
+            decoded = grid_dequantize(stored, "key", 64, bits, name)
+            expected = mx.take(levels, codes.astype(mx.uint32)) * scales + biases
+            assert mx.allclose(decoded.reshape(expected.shape), expected, atol=1e-5).item()
+            # Each value took its nearest level (ties aside): no other level is closer.
+            normalized = (x.astype(mx.float32).reshape(expected.shape) - biases) / scales
+            chosen = mx.abs(normalized - mx.take(levels, codes.astype(mx.uint32)))
+            best = mx.min(mx.abs(normalized[..., None] - levels), axis=-1)
+            assert mx.all(chosen <= best + 1e-4).item()
+            if name == "lloyd":
+                error = mx.square(decoded - x.astype(mx.float32)).sum().item()
+                uniform = mx.square(affine_dequantize(plain, "key", 64, bits, float32_scales=True) - x).sum().item()
+                assert error < 0.95 * uniform, (bits, error, uniform)
+    constant = mx.ones((1, 1, 2, 64))
+    assert mx.array_equal(grid_dequantize(grid_quantize(constant, "value", 64, 2, "lloyd"), "value", 64, 2, "lloyd"),
+                          constant).item()
+
+
+@pytest.mark.parametrize("options", [{"key_grid": "lloyd"}, {"value_grid": "lloyd"},
+                                     {"key_grid": "lloyd_ends", "value_grid": "lloyd", "rotate_values": True}])
+def test_kivi_grids_attend_as_their_decoded_cache_and_keep_the_bytes(options: dict) -> None:
+    """key_grid / value_grid change only what a code means: the same arrays and bytes as plain KIVI, the formula
+    holds, every attention path (compressed scores, decoded prefill) equals attention over the decoded cache,
+    the decode kernel declines the grid cleanly, and bad settings raise one sentence."""
+    kivi = get_method("kivi")
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=31)
+    plain = filled(make_cache("kivi", 2, group_size=64, sink_tokens=2, options={"key_block": 128}), keys, values)
+    cache = filled(make_cache("kivi", 2, group_size=64, sink_tokens=2, options={"key_block": 128, **options}),
+                   keys, values)
+    assert cache.nbytes == array_bytes(cache)
+    assert cache.nbytes == plain.nbytes + sum(a.nbytes for a in cache._constant_arrays()) - sum(
+        a.nbytes for a in plain._constant_arrays())
+    assert kivi.effective_bits_per_value(cache.config, 128, 4096, 8) == pytest.approx(
+        kivi.effective_bits_per_value(plain.config, 128, 4096, 8), abs=0.002)
+    dense_keys, dense_values = cache.to_dense()
+    assert relative_error(mx.concatenate([dense_keys, dense_values], -1), mx.concatenate([keys, values], -1)) < 0.6
+    for n_queries, mask in ((1, None), (7, "causal")):
+        queries = queries_for(4, n_queries, 64)
+        output = cache.attention(queries, cache, cache, 0.125, mask)
+        expected = reference_attention(queries, dense_keys, dense_values, 0.125, mask)
+        assert relative_error(output, expected) < 2e-3, n_queries
+    assert kivi.kernel_declines(cache.config) is not None and cache._kernel_codecs() is None
+    with pytest.raises(ConfigError, match="key_grid"):
+        KVCacheConfig("kivi", 2, options={"key_grid": "gauss"}).validate(64)
+    with pytest.raises(ConfigError, match="levels for 2, 3, 4"):
+        KVCacheConfig("kivi", 8, options={"value_grid": "lloyd"}).validate(64)
+    with pytest.raises(ConfigError, match="not both"):
+        KVCacheConfig("kivi", 2, options={"key_grid": "lloyd", "clip_search": True}).validate(64)
