@@ -595,7 +595,7 @@ def test_grid_quantize_keeps_the_affine_layout_and_decodes_onto_the_grid() -> No
 def test_kivi_grids_attend_as_their_decoded_cache_and_keep_the_bytes(options: dict) -> None:
     """key_grid / value_grid change only what a code means: the same arrays and bytes as plain KIVI, the formula
     holds, every attention path (compressed scores, decoded prefill) equals attention over the decoded cache,
-    the decode kernel declines the grid cleanly, and bad settings raise one sentence."""
+    the decode kernel is handed the grid's levels, and bad settings raise one sentence."""
     kivi = get_method("kivi")
     keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=31)
     plain = filled(make_cache("kivi", 2, group_size=64, sink_tokens=2, options={"key_block": 128}), keys, values)
@@ -613,7 +613,12 @@ def test_kivi_grids_attend_as_their_decoded_cache_and_keep_the_bytes(options: di
         output = cache.attention(queries, cache, cache, 0.125, mask)
         expected = reference_attention(queries, dense_keys, dense_values, 0.125, mask)
         assert relative_error(output, expected) < 2e-3, n_queries
-    assert kivi.kernel_declines(cache.config) is not None and cache._kernel_codecs() is None
+    # The decode kernel reads the grid (tiled pass: a level table after each gridded role's arrays; its parity is
+    # in tests/test_kvcache_kernel_emulation.py).
+    key_codec, key_arrays, value_codec, value_arrays = cache._kernel_codecs()
+    assert kivi.kernel_declines(cache.config) is None
+    assert key_codec.grid == ("key_grid" in options) and len(key_arrays) == 3 + key_codec.grid
+    assert value_codec.grid == ("value_grid" in options) and len(value_arrays) == 3 + value_codec.grid
     with pytest.raises(ConfigError, match="key_grid"):
         KVCacheConfig("kivi", 2, options={"key_grid": "gauss"}).validate(64)
     with pytest.raises(ConfigError, match="levels for 2, 3, 4"):

@@ -46,8 +46,8 @@ Options `key_grid` and `value_grid` (uniform, lloyd or lloyd_ends; default unifo
 a non-uniform grid of levels (`quant/grids.py`, KVQuant's "nuq" idea): each group keeps its min-max scale and
 bias, but code c means scale·grid[c] + bias, with the levels placed where min-max-normalized keys (values) of
 real prose lie. The arrays and bytes are those of plain KIVI. No `mx.quantized_matmul` reads a grid, so
-attention decodes the gridded role (float32) and multiplies; the decode kernel declines the option
-(`kernel_declines`). Measured on SmolLM2-135M, held-out prose (benchmarks/results/near_lossless_lowbits.json):
+attention decodes the gridded role (float32) and multiplies; on a GPU the tiled decode kernel reads the codes
+and looks their levels up (`Codec.grid`). Measured on SmolLM2-135M, held-out prose (benchmarks/results/near_lossless_lowbits.json):
 at 2 bits `key_grid=lloyd` is perplexity +40.2% (KL 0.347) and with rotate_values=true +32.1% (KL 0.300), against
 +88.7% plain and +53.9% with clip_search, at the same 2.39 bits; at 3 and 4 bits the grids cost quality (3-bit
 key_grid +8.6%, value_grid +10.7%, against +7.2%; 4-bit value_grid +1.21% against +1.04%), and at 2 bits
@@ -81,7 +81,7 @@ from engine.kvcache.methods.affine import (
     affine_quantize,
     check_channel_groups,
 )
-from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize
+from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize, grid_table
 from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
@@ -205,12 +205,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         or None (evenly spaced: affine)."""
         grid = config.options.get(f"{role}_grid")
         return None if grid in (None, "uniform") else grid
-
-    @classmethod
-    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
-        if cls.grid_of(config, "key") is not None or cls.grid_of(config, "value") is not None:
-            return "the decode kernel reads affine codes only, not codes on a grid (options key_grid, value_grid)"
-        return None
 
     @classmethod
     def rotates_values(cls, config: KVCacheConfig) -> bool:
@@ -344,15 +338,17 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return self.key_block(self.config)
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
-        if self.kernel_declines(self.config) is not None:
-            return None
         assert self._store is not None
         store = self._store
+        key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
+        # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
         return (
-            Codec("kivi_keys", self.config.key_bits),
-            [store["key_codes"], store["key_scales"], store["key_biases"]],
-            Codec("affine", self.config.value_bits),
-            [store["value_codes"], store["value_scales"], store["value_biases"]],
+            Codec("kivi_keys", self.config.key_bits, grid=key_grid is not None),
+            [store["key_codes"], store["key_scales"], store["key_biases"],
+             *([] if key_grid is None else [grid_table(key_grid, "key", self.config.key_bits)])],
+            Codec("affine", self.config.value_bits, grid=value_grid is not None),
+            [store["value_codes"], store["value_scales"], store["value_biases"],
+             *([] if value_grid is None else [grid_table(value_grid, "value", self.config.value_bits)])],
         )
 
     # ----- store layout: keys have the token axis last --------------------------------------------------

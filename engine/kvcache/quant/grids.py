@@ -85,6 +85,16 @@ def grid_levels(name: str, role: str, bits: int) -> mx.array:
 
 
 @functools.cache
+def grid_table(name: str, role: str, bits: int) -> mx.array:
+    """`grid_levels` padded with zeros to 16 entries: the decode kernel's lookup table (fixed size, so every
+    width shares one kernel input shape; only the first 2^bits entries are ever indexed)."""
+    levels = np.zeros(16, np.float32)
+    levels[: 1 << bits] = GRIDS[name][role][bits]
+    check_grid(name, bits)
+    return mx.array(levels)
+
+
+@functools.cache
 def _boundaries(name: str, role: str, bits: int) -> mx.array:
     levels = np.asarray(GRIDS[name][role][bits], np.float32)
     return mx.array((levels[1:] + levels[:-1]) / 2)
