@@ -106,7 +106,7 @@ def main() -> None:
         delta, se = paired(np.concatenate([s.nll for s in per_spec[spec]]), reference)
         kl = float(np.concatenate([s.kl for s in per_spec[spec]]).mean())
         top1 = float(np.concatenate([s.top1_agrees for s in per_spec[spec]]).mean())
-        rows.append({"spec": spec, "delta_nll": delta, "delta_nll_se": se, "ppl_change": math.expm1(delta),
+        rows.append({"spec": spec.removesuffix("@pre"), "keys_before_rope": spec.endswith("@pre"), "delta_nll": delta, "delta_nll_se": se, "ppl_change": math.expm1(delta),
                      "mean_kl": kl, "top1": top1})
         print(f"{spec:56s} {100 * math.expm1(delta):+8.2f} % ± {100 * se:.2f}  KL {kl:.4f}  top1 {top1:.3f}", flush=True)
     if args.out:
