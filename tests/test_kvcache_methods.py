@@ -617,6 +617,13 @@ def test_kivi_grids_attend_as_their_decoded_cache_and_keep_the_bytes(options: di
     # in tests/test_kvcache_kernel_emulation.py).
     key_codec, key_arrays, value_codec, value_arrays = cache._kernel_codecs()
     assert kivi.kernel_declines(cache.config) is None
+    # ...but without a kernel attention decodes the gridded role every step, so the level rule leaves it out.
+    assert kivi.decodes_history_without_kernel(cache.config) is not None
+    assert kivi.decodes_history_without_kernel(plain.config) is None
+    from benchmarks.harness.levels import eligible
+
+    row = {"family": "velox", "method": "kivi", "spec": str(cache.config)}
+    assert not eligible(row) and eligible({**row, "spec": str(plain.config)})
     assert key_codec.grid == ("key_grid" in options) and len(key_arrays) == 3 + key_codec.grid
     assert value_codec.grid == ("value_grid" in options) and len(value_arrays) == 3 + value_codec.grid
     with pytest.raises(ConfigError, match="key_grid"):

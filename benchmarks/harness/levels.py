@@ -80,7 +80,8 @@ def eligible(row: dict[str, Any]) -> bool:
     method = get_method(row["method"])
     if method.attention_path != "fused":
         return False
-    return method.kernel_declines(read_result_spec(row["spec"]).velox_config()) is None
+    config = read_result_spec(row["spec"]).velox_config()
+    return method.kernel_declines(config) is None and method.decodes_history_without_kernel(config) is None
 
 
 def _named(names: Sequence[str], spec_text: str) -> str | None:

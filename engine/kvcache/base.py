@@ -340,6 +340,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         raise NotImplementedError
 
     @classmethod
+    def decodes_history_without_kernel(cls, config: KVCacheConfig) -> str | None:
+        """Why a decode step of `config` decodes the whole history where no GPU kernel runs (the CPU, or
+        kernels off) although the method attends on its packed codes otherwise (None: it does not). The level
+        rule leaves such configurations out, as it leaves out methods whose attention path is not fused."""
+        return None
+
+    @classmethod
     def kernel_declines(cls, config: KVCacheConfig) -> str | None:
         """Why the decode kernel has no variant for `config` itself, whatever the device (None: it may have
         one; `_kernel_unsupported` also checks the shape, the codes and the method). The level rule

@@ -69,13 +69,13 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # +9.9% (the plain kivi:k3v3:g64: +14%),
     ("3", "3-bit", "kivi:k3v3:g64:s4:key_block=128", "noticeable quality loss",
      "ppl +9.87% (±1.00) KL 0.0940 top1 82.1% (4094 scored tokens)"),
-    # Keys decode onto Lloyd-Max levels (key_grid=lloyd, quant/grids.py; same arrays and bytes) and values are
-    # stored rotated: perplexity +41.5% against +121.8% for the plain kivi:k2v2 (held out +32.1% against +88.7%,
-    # near_lossless_lowbits.json), still far from the +10% target. On a GPU the tiled decode kernel reads the grid;
-    # on the CPU attention decodes the keys (no quantized_matmul reads a grid).
-    ("2", "2-bit", "kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true",
-     "poor quality: answers may be wrong or garbled",
-     "ppl +41.46% (±2.33) KL 0.3403 top1 66.1% (4094 scored tokens)"),
+    # perplexity x2.2: nothing that attends on packed codes does well at 2.5 bits per value. Keys on Lloyd-Max
+    # levels with rotated values (kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true) lose much less
+    # (+41.5%, KL 0.340; held out +32.1% against +88.7%, near_lossless_lowbits.json) but are not eligible: without
+    # a GPU kernel attention decodes the gridded keys every step (CPU: 3.3 against 8.7 tok/s at 4k tokens), and
+    # the tiled kernel's grid lookup has not run on a GPU yet.
+    ("2", "2-bit", "kivi:k2v2:g64:s4:key_block=128", "poor quality: answers may be wrong or garbled",
+     "ppl +121.78% (±3.68) KL 0.8258 top1 47.5% (4094 scored tokens)"),
 )
 
 # Where a level's budget of effective bits is counted (the level rule and `velox levels`): head_dim 128 and

@@ -207,6 +207,13 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return None if grid in (None, "uniform") else grid
 
     @classmethod
+    def decodes_history_without_kernel(cls, config: KVCacheConfig) -> str | None:
+        if cls.grid_of(config, "key") is not None or cls.grid_of(config, "value") is not None:
+            # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.3 tok/s against 8.7 for plain 2-bit KIVI.
+            return "no quantized_matmul reads codes on a grid (key_grid, value_grid): attention decodes them"
+        return None
+
+    @classmethod
     def rotates_values(cls, config: KVCacheConfig) -> bool:
         return bool(config.options.get("rotate_values", False))
 
