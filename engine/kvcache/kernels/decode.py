@@ -591,7 +591,7 @@ _MERGE_BODY = """
     value = numerator / denominator;
   }
   if (ROT) {
-    // The cache's inverse rotation signs ⊙ (H y)/sqrt(D), H the Sylvester Hadamard matrix (mx.hadamard_transform's),
+    // The cache's inverse rotation signs ⊙ (H y)/sqrt(D) (oscale = 1/sqrt(D)), H the Sylvester Hadamard matrix,
     // as an in-place butterfly over the row: stage h maps (a, b) at (i, i|h) to (a + b, a - b).
     SHARED float sh_y[NM];
     sh_y[TID] = value;
@@ -607,14 +607,14 @@ _MERGE_BODY = """
       sh_y[TID] = mixed;
       BARRIER();
     }
-    value = sh_y[TID] * ((TID < D) ? signs[TID] : 0.0f);
+    value = sh_y[TID] * ((TID < D) ? signs[TID] * oscale[0] : 0.0f);
   }
   if (TID < D) out[(long)row * D + TID] = static_cast<TO>(value);
 """
 
 MERGE_SOURCE = KernelSource(
     name="velox_decode_merge",
-    input_names=("part_m", "part_l", "part_o", "signs"),
+    input_names=("part_m", "part_l", "part_o", "signs", "oscale"),
     output_names=("out",),
     body=_MERGE_BODY,
 )
@@ -858,7 +858,7 @@ def decode_attention(
     n_compressed are read, and passing the buffers rather than views avoids a copy of the history a step).
     The first `n_skipped` compressed tokens are not attended (copies of the sinks kept in a block stream).
     `out_signs` (float32 [D], see `Rotation.sylvester_inverse_signs`): the merge pass also rotates the output
-    back, signs ⊙ H·out, instead of the caller (in float32, before the cast to the queries' dtype).
+    back, signs ⊙ H·out / sqrt(D), instead of the caller (in float32, before the cast to the queries' dtype).
     """
     batch, n_heads, _, head_dim = queries.shape
     rows = n_heads // n_kv
@@ -881,7 +881,8 @@ def decode_attention(
     )
     merge_threads = max(32, head_dim)
     (out,) = plan.merge(
-        inputs=[part_m, part_l, part_o, _scale_array(1.0) if out_signs is None else out_signs],
+        inputs=[part_m, part_l, part_o, _scale_array(1.0) if out_signs is None else out_signs,
+                _scale_array(1.0 / math.sqrt(head_dim))],
         template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS),
                   ("ROT", int(out_signs is not None)), ("TO", queries.dtype)],
         grid=(bh * rows * merge_threads, 1, 1),

@@ -94,7 +94,6 @@ class Rotation:
         self._dense_transposed: mx.array | None = None
         self._signs: mx.array | None = None
         self._small_hadamard: mx.array | None = None
-        self._fused_signs: mx.array | None = None
         if kind == "hadamard":
             self._signs = mx.array(random_signs(dim, seed))
             factor = _hadamard_factor(dim)
@@ -156,15 +155,13 @@ class Rotation:
         return y @ self._dense
 
     def sylvester_inverse_signs(self) -> mx.array | None:
-        """signs/sqrt(d) when the inverse is signs ⊙ (H y)/sqrt(d) with H the Sylvester (natural order)
+        """The signs (float32) when the inverse is signs ⊙ (H y)/sqrt(d) with H the Sylvester (natural order)
         Hadamard matrix, which a kernel applies as an in-place butterfly (d a power of two); None otherwise.
-        Built once; the decode kernels' merge pass uses it to rotate attention outputs back (see
-        engine/kvcache/kernels/decode.py)."""
+        The rotation's own array, not a copy (nothing more is held); the decode kernels' merge pass uses it to
+        rotate attention outputs back (see engine/kvcache/kernels/decode.py)."""
         if self.kind != "hadamard" or self.dim & (self.dim - 1) or self._signs is None:
             return None
-        if self._fused_signs is None:
-            self._fused_signs = (self._signs * self._scale).astype(mx.float32)
-        return self._fused_signs
+        return self._signs
 
     @property
     def matrix(self) -> mx.array:
