@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.kvcache.kernels.backend import KernelSource, assemble  # noqa: E402
+from engine.kvcache.kernels.backend import KernelSource, cuda_unit  # noqa: E402
 from engine.kvcache.kernels.decode import (  # noqa: E402
     MERGE_SOURCE,
     UNROLL,
@@ -53,24 +53,10 @@ _CUDA_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__ha
 def wrap(source: KernelSource, input_types: dict[str, str], output_types: dict[str, str],
          template: list[tuple[str, object]]) -> str:
     """The CUDA translation unit MLX would compile for `source` with these dtypes and template arguments."""
-    header, body = assemble("cuda", source.body, source.header, source.defines)
-    params = []
-    for name in source.input_names:
-        params.append(f"    const {_CUDA_TYPES[input_types.get(name, 'float32')]}* {name}")
-        if name + "_shape" in body:
-            params.append(f"    const __grid_constant__ Shape {name}_shape")
-    for name in source.output_names:
-        params.append(f"    {_CUDA_TYPES[output_types.get(name, 'float32')]}* {name}")
-    constants = []
-    for name, value in template:
-        if isinstance(value, str):
-            constants.append(f"  using {name} = {_CUDA_TYPES[value]};")
-        else:
-            constants.append(f"  constexpr int {name} = {int(value)};")
-    return (
-        _SHIM + header + "\nnamespace mlx::core::cu {\n__global__ void " + source.name + "(\n"
-        + ",\n".join(params) + ") {\n" + "\n".join(constants) + "\n" + body + "\n}\n}\n"
-    )
+    names = (*source.input_names, *source.output_names)
+    types = {name: _CUDA_TYPES[{**input_types, **output_types}.get(name, "float32")] for name in names}
+    return cuda_unit(source, types, [(name, _CUDA_TYPES[value] if isinstance(value, str) else int(value))
+                                     for name, value in template], _SHIM)
 
 
 def compile_resources(unit: str, arch: str) -> dict[str, int | str]:

@@ -24,7 +24,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
-from engine.kvcache.kernels.backend import BACKENDS, KernelSource, names_are_distinct
+from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.encode import encode_source
 from tests.kvcache_helpers import filled_then_stepped
@@ -113,25 +113,10 @@ def _cuda_type(dtype: mx.Dtype) -> str:
 
 def _cuda_unit(source: KernelSource, inputs: dict[str, mx.Dtype], outputs: dict[str, mx.Dtype],
                template: dict[str, object]) -> str:
-    """The translation unit MLX's `cuda_kernel` builds (mlx/backend/cuda/custom_kernel.cpp, build_kernel)."""
-    header, body = source.for_backend("cuda")
-    params = []
-    for name in source.input_names:
-        params.append(f"const {_cuda_type(inputs[name])}* {name}")
-        if f"{name}_shape" in body:
-            params.append(f"const __grid_constant__ Shape {name}_shape")
-    params += [f"{_cuda_type(outputs[name])}* {name}" for name in source.output_names]
-    constants = "".join(
-        f"  using {k} = {_cuda_type(v)};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};\n"
-        for k, v in template.items()
-    )
-    return (
-        '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
-        + header
-        + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-        + f"__global__ void {source.name}(\n    " + ",\n    ".join(params) + ") {\n"
-        + constants + body + "\n}\n}\n"
-    )
+    """The translation unit MLX's `cuda_kernel` builds, with MLX's own device header."""
+    types = {name: _cuda_type(dtype) for name, dtype in {**inputs, **outputs}.items()}
+    constants = [(k, _cuda_type(v) if isinstance(v, mx.Dtype) else int(v)) for k, v in template.items()]
+    return cuda_unit(source, types, constants, '#include "mlx/backend/cuda/device/utils.cuh"')
 
 
 def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
@@ -159,8 +144,8 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         source = attend_source(key, value)
         units.append(_cuda_unit(source, _attend_dtypes(key, value),
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64, "CT": 64, "U": 2, "NS": 4, "HW": 1,
-                                 "TD": mx.bfloat16}))
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 64, "CT": 64, "U": 2, "CS": 4, "NS": 4,
+                                 "HW": 1, "TD": mx.bfloat16}))
     for stages in (1, 2):
         names = encode_source(stages).input_names + encode_source(stages).output_names
         dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,

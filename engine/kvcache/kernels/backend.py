@@ -32,7 +32,7 @@ machines without a GPU; `build`/`kernel` accept it, `available_backend()` never 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,31 @@ def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
     if backend == "cuda":
         return mx.fast.cuda_kernel(**common)
     return mx.fast.metal_kernel(**common)
+
+
+def cuda_unit(source: KernelSource, types: Mapping[str, str], template: Sequence[tuple[str, int | str]],
+              includes: str) -> str:
+    """The CUDA translation unit MLX's `cuda_kernel` compiles for `source` (mlx/backend/cuda/custom_kernel.cpp,
+    build_kernel): a pointer per input (const) and output, `<name>_shape` after an input whose shape the body
+    names, template arguments as `constexpr int` or, for a str value (a C++ type), `using`. `types` is the C++
+    type of each input and output; `includes` stands for MLX's device header (which defines `Shape`), e.g. to
+    compile the kernels offline with nvcc (tests/test_kvcache_kernels.py, benchmarks/kernel_resources.py)."""
+    header, body = source.for_backend("cuda")
+    params = []
+    for name in source.input_names:
+        params.append(f"    const {types[name]}* {name}")
+        if f"{name}_shape" in body:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    params += [f"    {types[name]}* {name}" for name in source.output_names]
+    constants = "".join(
+        f"  using {name} = {value};\n" if isinstance(value, str) else f"  constexpr int {name} = {int(value)};\n"
+        for name, value in template
+    )
+    return (
+        includes + "\n#include <cooperative_groups.h>\n" + header
+        + "\nnamespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+        + f"__global__ void {source.name}(\n" + ",\n".join(params) + ") {\n" + constants + body + "\n}\n}\n"
+    )
 
 
 _BUILT: dict[tuple[KernelSource, str], Callable[..., list[mx.array]]] = {}
