@@ -72,8 +72,8 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # perplexity x2.2: nothing that attends on packed codes does well at 2.5 bits per value. Keys on Lloyd-Max
     # levels with rotated values (kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true) lose much less
     # (+41.5%, KL 0.340; held out +32.1% against +88.7%, near_lossless_lowbits.json) but are not eligible: without
-    # a GPU kernel attention decodes the gridded keys every step (CPU: 3.3 against 8.7 tok/s at 4k tokens), and
-    # the tiled kernel's grid lookup has not run on a GPU yet.
+    # a GPU kernel attention decodes the gridded keys every step (CPU: 3.2 against 8.1 tok/s at 4k tokens,
+    # cpu_decode_probe.json), and the tiled kernel's grid lookup has not run on a GPU yet.
     ("2", "2-bit", "kivi:k2v2:g64:s4:key_block=128", "poor quality: answers may be wrong or garbled",
      "ppl +121.78% (±3.68) KL 0.8258 top1 47.5% (4094 scored tokens)"),
 )

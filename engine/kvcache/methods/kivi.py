@@ -209,7 +209,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     @classmethod
     def decodes_history_without_kernel(cls, config: KVCacheConfig) -> str | None:
         if cls.grid_of(config, "key") is not None or cls.grid_of(config, "value") is not None:
-            # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.3 tok/s against 8.7 for plain 2-bit KIVI.
+            # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.2 tok/s against 8.1 for plain 2-bit KIVI
+            # (benchmarks/results/cpu_decode_probe.json).
             return "no quantized_matmul reads codes on a grid (key_grid, value_grid): attention decodes them"
         return None
 
