@@ -321,6 +321,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS),
                         help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
+    parser.add_argument("--kernel-constants", default="",
+                        help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"FUSED_MERGE": false})')
     parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
                         help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
 
@@ -341,11 +343,19 @@ def run(args: argparse.Namespace) -> int:
     shape = SHAPES[args.shape]
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+    constants = json.loads(args.kernel_constants) if getattr(args, "kernel_constants", "") else {}
+    if constants:
+        from engine.kvcache.kernels import decode as decode_kernels
+
+        for name, value in constants.items():
+            if not hasattr(decode_kernels, name):
+                raise SystemExit(f"engine.kvcache.kernels.decode has no constant {name!r}")
+            setattr(decode_kernels, name, value)
 
     record: dict[str, Any] = {
         "schema": "velox-bench/1", "kind": "decode", "device": str(mx.default_device()), "mlx": mx.__version__,
         "platform": f"{platform.system()} {platform.machine()}", "shape": shape, "contexts": contexts,
-        "steps": args.steps, "warmup": args.warmup, "fill_chunk": FILL_CHUNK,
+        "steps": args.steps, "warmup": args.warmup, "fill_chunk": FILL_CHUNK, "kernel_constants": constants,
     }
     try:
         record["gpu"] = subprocess.run(

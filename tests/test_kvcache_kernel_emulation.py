@@ -107,7 +107,7 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
 
     for tiled in (True, False):
         monkeypatch.setattr(decode, "TILED", tiled)
-        for tokens in (200, 301):  # past the first 128-token key block: something is compressed
+        for tokens in (200, 301, 1200):  # past the first 128-token key block; 1200: several splits to merge
             cache = _filled(spec, tokens, 128, 4, seed=tokens)
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
             out = cache.attention(queries, None, None, scale=0.088, mask=None)
@@ -115,6 +115,8 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
             plan = cache._decode_plan(4)
             assert plan is not None
             assert (("KB", 4 if "k4" in spec else 3) if tiled else ("U", decode.UNROLL)) in plan.template
+            if tokens == 1200:
+                assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
             error = float(mx.max(mx.abs(out - ref)))
             assert error <= 2e-3, (spec, tiled, tokens, error)
 

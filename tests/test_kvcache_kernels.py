@@ -324,3 +324,33 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int) -> Non
             error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
                                  / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))
             assert error <= 1e-2, (name, error)
+
+
+def test_sources_handed_to_mlx_are_compacted_without_changing_the_code() -> None:
+    """`build` hands MLX each source without comments, indentation or blank lines (MLX rebuilds and hashes the
+    whole text on every launch); what remains is the same code, and preprocessor lines keep their own line."""
+    from engine.kvcache.kernels.backend import compact
+
+    for source in ALL_SOURCES:
+        for backend in BACKENDS:
+            for text in source.for_backend(backend):
+                short = compact(text)
+                assert "//" not in short and "\n\n" not in short
+                assert len(short) < len(text) or "//" not in text
+                code = "".join(line.split("//", 1)[0] for line in text.splitlines())
+                assert "".join(short.split()) == "".join(code.split())
+                directives = [line.strip() for line in text.splitlines() if line.strip().startswith("#")]
+                assert all(d.split("//", 1)[0].strip() in short.splitlines() for d in directives)
+
+
+def test_ruler_reuses_one_slice_per_count() -> None:
+    """A count handed to kernels as a slice's length: the same count gives the same (already evaluated) array,
+    so a decode step adds no slice to every layer's graph; the lengths stay right when the ruler grows."""
+    from engine.kvcache.kernels.backend import Ruler
+
+    ruler = Ruler()
+    first = ruler(300)
+    assert ruler(300) is first and first.shape == (301,)
+    assert ruler(301).shape == (302,)
+    grown = ruler(200_000)
+    assert grown.shape == (200_001,) and ruler(300) is not first and ruler(300).shape == (301,)

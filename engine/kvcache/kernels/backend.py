@@ -133,7 +133,7 @@ def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
         from engine.kvcache.kernels.emulate import emulated_kernel  # imports this module: import late
 
         return emulated_kernel(source)
-    header, body = source.for_backend(backend)
+    header, body = (compact(text) for text in source.for_backend(backend))
     common: dict[str, Any] = {
         "name": source.name,
         "input_names": list(source.input_names),
@@ -145,6 +145,16 @@ def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:
     if backend == "cuda":
         return mx.fast.cuda_kernel(**common)
     return mx.fast.metal_kernel(**common)
+
+
+def compact(text: str) -> str:
+    """`text` without `//` comments, indentation and blank lines (line breaks kept for the preprocessor).
+
+    MLX's CUDA front end rebuilds a kernel's whole source text on every call and hashes it when the launch is
+    encoded, so its length is host time in every decode step; the bodies carry long comments for their
+    readers, which the compiler never needs. (The bodies hold no string literals, where `//` would matter.)"""
+    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 def cuda_unit(source: KernelSource, types: Mapping[str, str], template: Sequence[tuple[str, int | str]],
@@ -193,16 +203,28 @@ class Ruler:
     uploads a small array from the host each step.
     """
 
+    # Slices kept per count: a count changes once per compressed block, and the layers of a model share it, so
+    # a step reuses slices that are already evaluated instead of adding a slice to every layer's graph.
+    MAX_VIEWS = 256
+
     def __init__(self) -> None:
         self._array = mx.zeros((1 << 16,), dtype=mx.uint8)
+        self._views: dict[int, mx.array] = {}
 
     def __call__(self, count: int) -> mx.array:
+        view = self._views.get(count)
+        if view is not None:
+            return view
         if count + 1 > self._array.shape[0]:
             size = self._array.shape[0]
             while size < count + 1:
                 size *= 2
             self._array = mx.zeros((size,), dtype=mx.uint8)
-        return self._array[: count + 1]
+            self._views.clear()
+        if len(self._views) >= self.MAX_VIEWS:
+            self._views.clear()
+        view = self._views[count] = self._array[: count + 1]
+        return view
 
 
 RULER = Ruler()

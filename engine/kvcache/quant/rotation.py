@@ -127,15 +127,23 @@ class Rotation:
         mixed = mx.swapaxes(blocks, -1, -2) @ self._small_hadamard
         return mx.swapaxes(mixed, -1, -2).reshape(y.shape)
 
-    def _check(self, x: mx.array) -> mx.array:
+    def _check_shape(self, x: mx.array) -> None:
         if x.ndim == 0 or x.shape[-1] != self.dim:
             raise ConfigError(
                 f"The rotation acts on a last axis of size {self.dim}, got shape {tuple(x.shape)}."
             )
+
+    def _check(self, x: mx.array) -> mx.array:
+        self._check_shape(x)
         return x.astype(mx.float32)
 
     def forward(self, x: mx.array) -> mx.array:
         """y = R x on the last axis (float32)."""
+        if self.kind == "hadamard" and x.dtype in (mx.float16, mx.bfloat16, mx.float32):
+            # The product with the float32 signs is the cast: one operation fewer per call than casting first
+            # (a decode step rotates each layer's new value token; every operation there costs launch time).
+            self._check_shape(x)
+            return self._hadamard_forward(x)
         x = self._check(x)
         if self.kind == "hadamard":
             return self._hadamard_forward(x)
