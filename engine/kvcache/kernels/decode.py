@@ -49,6 +49,10 @@ TARGET_GROUPS = 1024
 # The tiled pass (below) aims at fewer, longer splits: on an H200 at 32,769 tokens (8B shape, 32 layers) its
 # kernel time was 3.62 ms at 256 threadgroups against 4.34 ms at 1024 (benchmarks/results/decode-profile-h200.json).
 TILED_TARGET_GROUPS = 256
+# The tiled pass loads each tile during the previous tile's work (template PF; see `_TILED_BODY`).
+TILED_PREFETCH = True
+# The tiled pass's largest tile (tokens staged per round of its three phases; fewer rounds, fewer barriers).
+TILED_MAX_TILE = 64
 MAX_SPLITS = 256
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
@@ -325,7 +329,8 @@ _ATTEND_BODY = """
 #      so their latency overlaps phases 1-2) and accumulates weight × code, with the value's scale folded
 #      into the weight and its bias into one sum per row.
 # Registers stay low (no per-token key or value arrays), so more threadgroups are resident per processor.
-# Template ints as above plus KB, VB (key and value bits); CT divides GK and NT, NT/CT threads share a token
+# Template ints as above plus KB, VB (key and value bits) and PF (1: each tile loaded during the previous
+# tile's phases); CT divides GK and NT, NT/CT threads share a token
 # in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
 _TILED_BODY = """
   constexpr int TPT = D / 8;           // phase 3: lanes per token (8 channels each)
@@ -385,32 +390,72 @@ _TILED_BODY = """
   const int t1 = TID % CT;       // phase 1: this thread's token in the tile
   const int half = TID / CT;     // ... and its share of the channels
 
+  // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
+  constexpr int NKW = (D * KW + NT - 1) / NT;
+  constexpr int NVW = (CT * VWT + NT - 1) / NT;
+  constexpr int NVG = (CT * VG + NT - 1) / NT;
+  constexpr int NDK = (D + NT - 1) / NT;
+  U32 st_kw[NKW];
+  U32 st_vw[NVW];
+  float st_vs[NVG];
+  float st_vb[NVG];
+  float st_ks[NDK];
+  float st_kb[NDK];
+#define STAGE_LOAD(at) { \
+    const int sb = (at); \
+    const int kg = sb / GK; \
+    for (int j = 0; j < NKW; ++j) { \
+      const int i = TID + j * NT; \
+      if (i < D * KW) st_kw[j] = k0[((long)bh * D + i / KW) * k_row + (long)sb * KB / 32 + i % KW]; \
+    } \
+    for (int j = 0; j < NVW; ++j) { \
+      const int i = TID + j * NT; \
+      const long c = (sb + i / VWT < c_end) ? sb + i / VWT : c_begin; \
+      if (i < CT * VWT) st_vw[j] = v0[((long)bh * cap + c) * v_row + i % VWT]; \
+    } \
+    for (int j = 0; j < NVG; ++j) { \
+      const int i = TID + j * NT; \
+      const long c = (sb + i / VG < c_end) ? sb + i / VG : c_begin; \
+      if (i < CT * VG) { \
+        st_vs[j] = (float)v1[((long)bh * cap + c) * v_groups + i % VG]; \
+        st_vb[j] = (float)v2[((long)bh * cap + c) * v_groups + i % VG]; \
+      } \
+    } \
+    for (int j = 0; j < NDK; ++j) { \
+      const int d = TID + j * NT; \
+      if (d < D) { \
+        st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
+        st_kb[j] = (float)k2[((long)bh * D + d) * k_groups + kg]; \
+      } \
+    } \
+  }
+#define STAGE_STORE() { \
+    for (int j = 0; j < NKW; ++j) if (TID + j * NT < D * KW) sh_kw[TID + j * NT] = st_kw[j]; \
+    for (int j = 0; j < NVW; ++j) if (TID + j * NT < CT * VWT) sh_vw[TID + j * NT] = st_vw[j]; \
+    for (int j = 0; j < NVG; ++j) if (TID + j * NT < CT * VG) { sh_vs[TID + j * NT] = st_vs[j]; sh_vb[TID + j * NT] = st_vb[j]; } \
+    for (int j = 0; j < NDK; ++j) { \
+      const int d = TID + j * NT; \
+      if (d < D) { \
+        sh_kb[d] = st_kb[j]; \
+        for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * st_ks[j]; \
+      } \
+    } \
+  }
+  if (PF && comp_tiles > 0) STAGE_LOAD(c_begin);
+
   for (int tile = 0; tile < all_tiles; ++tile) {
     const bool dense = tile >= comp_tiles;
     const int base = dense ? (tile - comp_tiles) * CT : c_begin + tile * CT;
     BARRIER();   // the previous tile's readers of the staged arrays are done
     if (!dense) {
       // Stage the tile in shared memory: key codes, the key block's scales and biases, value codes, scales
-      // and biases. Staging the values too (rather than loading them into registers ahead of phase 3) keeps
-      // registers for the accumulators. (Loading everything into registers first and storing after took the
-      // kernel from 128 to 174 registers under nvcc for sm_90a; benchmarks/kernel_resources.py.)
-      const int kg = base / GK;
-      // Stage the tile (coalesced loads; each loop's loads are independent of one another).
-      for (int i = TID; i < D * KW; i += NT) sh_kw[i] = k0[((long)bh * D + i / KW) * k_row + (long)base * KB / 32 + i % KW];
-      for (int i = TID; i < CT * VWT; i += NT) {
-        const long c = (base + i / VWT < c_end) ? base + i / VWT : c_begin;
-        sh_vw[i] = v0[((long)bh * cap + c) * v_row + i % VWT];
-      }
-      for (int i = TID; i < CT * VG; i += NT) {
-        const long c = (base + i / VG < c_end) ? base + i / VG : c_begin;
-        sh_vs[i] = (float)v1[((long)bh * cap + c) * v_groups + i % VG];
-        sh_vb[i] = (float)v2[((long)bh * cap + c) * v_groups + i % VG];
-      }
-      for (int d = TID; d < D; d += NT) {
-        const float ks = (float)k1[((long)bh * D + d) * k_groups + kg];
-        sh_kb[d] = (float)k2[((long)bh * D + d) * k_groups + kg];
-        for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * ks;
-      }
+      // and biases (values staged too, rather than held in registers through phase 3, to keep registers for
+      // the accumulators). With PF the tile was loaded into registers during the previous tile's phases
+      // (STAGE_LOAD below), so the loads' latency overlaps work instead of stalling every threadgroup at the
+      // barrier; without PF it is loaded here.
+      if (!PF) STAGE_LOAD(base);
+      STAGE_STORE();
+      if (PF && tile + 1 < comp_tiles) STAGE_LOAD(base + CT);
       BARRIER();
       // Phase 1 (compressed): codes of token t1, channels [half*DH, half*DH + DH).
       float acc[R];
@@ -703,7 +748,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
         return None  # a grid's table holds at most 16 levels
     threads = threads_for(head_dim)
     token_groups = threads // (head_dim // 8)
-    tile = min(64, key_block or group_size)
+    tile = min(TILED_MAX_TILE, key_block or group_size)
     block = key_block or group_size
     if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
         return None
@@ -817,7 +862,7 @@ def plan_decode(
         source = tiled_source()
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
-                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)))
+                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)))
         # codes, scales, biases of each role, then the two grids (a placeholder where a role has none)
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
                   value_arrays[3] if value_codec.grid else _no_grid())
