@@ -69,7 +69,7 @@ import mlx.core as mx
 
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
-from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig, parse_wide_layers
 from engine.kvcache.kernels import Codec
 from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
@@ -145,6 +145,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     default_bits: ClassVar[int] = 4
     supported_group_sizes: ClassVar[tuple[int, ...] | None] = AFFINE_GROUP_SIZES
     needs_calibration: ClassVar[bool] = False
+    widens_layers: ClassVar[bool] = True
     attention_path: ClassVar[str] = "fused"
     description: ClassVar[str] = (
         "KIVI: keys quantized per channel over blocks of group_size tokens, values per token; the newest "
@@ -188,6 +189,32 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 f"Method 'kivi' needs a key block (group size, or option key_block) of 32, 64 or 128 tokens, "
                 f"not {block}."
             )
+        cls.check_wide(config, head_dim)
+
+    @classmethod
+    def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:
+        """Options `wide=F` (a fraction 0..1 of the layers stored with one more key and value bit) and
+        `wide_layers=L...` (which ones, given with `wide`; the builder writes it after calibrating): the
+        widened bits must be bits kivi has (8 cannot widen, nor 6: there is no 7-bit code), and the widened
+        configuration must pass every other check (a grid at its bits, say)."""
+        options = config.options
+        if WIDE_OPTION not in options:
+            if WIDE_LAYERS_OPTION in options:
+                raise ConfigError("Method 'kivi' takes wide_layers only with wide=F (the fraction it widens).")
+            return
+        fraction = options[WIDE_OPTION]
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ConfigError(f"Method 'kivi' takes wide=F with F a fraction of the layers, 0 to 1, not {fraction!r}.")
+        if WIDE_LAYERS_OPTION in options:
+            parse_wide_layers(options[WIDE_LAYERS_OPTION])
+        widened = config.widened()
+        for role, bits in (("key", widened.key_bits), ("value", widened.value_bits)):
+            if bits not in cls.supported_bits:
+                raise ConfigError(
+                    f"Method 'kivi' cannot widen {bits - 1}-bit {role}s (wide={fraction}): a wide layer stores "
+                    f"one more bit and kivi has {', '.join(str(b) for b in cls.supported_bits)}-bit codes."
+                )
+        cls.check_config(widened, head_dim)
 
     @classmethod
     def key_block(cls, config: KVCacheConfig) -> int:
