@@ -29,7 +29,7 @@ from mlx_lm.models.cache import create_attention_mask as _mlx_create_attention_m
 from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
 from engine.kvcache import kernels as _kernels
-from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.config import KVCacheConfig, n_wide_layers
 from engine.runtime.cpu import attention as cpu_attention
 from engine.runtime.masks import apply_attention_mask
 
@@ -148,8 +148,6 @@ class VeloxKVCache(_BaseCache):
         fraction = config.wide_fraction
         if fraction is None:
             return None
-        from engine.kvcache.config import n_wide_layers  # (config imports the registry, not this module)
-
         share = fraction if n_layers is None else n_wide_layers(fraction, n_layers) / n_layers
         base = cls.effective_bits_per_value(config.without_wide(), head_dim, n_tokens, n_kv_heads)
         wide = cls.effective_bits_per_value(config.widened(), head_dim, n_tokens, n_kv_heads)

@@ -54,6 +54,14 @@ key_grid +8.6%, value_grid +10.7%, against +7.2%; 4-bit value_grid +1.21% agains
 value_grid does too (+55.7%). The levels are MSE-optimal, which at 3+ bits moves the outer levels off the group's
 extremes that large attention scores depend on.
 
+Option `wide=F` (a fraction 0..1) stores floor(F × n_layers) layers with one more key and value bit (k5v5 in a
+k4v4 spec; 8-bit and 6-bit roles cannot widen: kivi has no 9- or 7-bit codes), the layers that lose the most
+when quantized, found by a calibration pass on the model (`engine/kvcache/layer_sensitivity.py`); the builder
+names them in option `wide_layers=L1.10.18`. Each layer's cache holds its own plain configuration
+(`KVCacheConfig.for_layer`), so everything below reads the layer's real bits. The bits formula averages over the
+layers. Simulated on SmolLM2-135M (benchmarks/results/near_lossless_lowbits_experiments.json): layers 1, 10 and
+18 of 30 at k5v5 took the 4-bit level from +1.04% to +0.46% perplexity on held-out prose, at 4.49 bits.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
