@@ -57,6 +57,7 @@ def test_wide_options_read_as_a_fraction_and_layer_indices() -> None:
     widened = config.for_layer(10)
     assert (widened.key_bits, widened.value_bits) == (5, 5) and str(widened) == LEVEL_4.replace("k4v4", "k5v5")
     assert str(config.for_layer(2)) == LEVEL_4
+    assert config.describe() == "kivi K4/V4 g64 (sinks 4, 10% of layers +1 bit)"
 
 
 @pytest.mark.parametrize(
@@ -151,6 +152,9 @@ def test_caches_bytes_add_up_to_the_averaged_formula() -> None:
         assert cache.nbytes == pytest.approx(kivi.expected_nbytes(cache.config, 32, 512, 2), rel=1e-12)
     wide, narrow = caches[1].nbytes, caches[0].nbytes
     assert wide > narrow
+    # The GPU decode kernel's codecs read each layer's own code widths.
+    codecs = [c._kernel_codecs() for c in caches]
+    assert [(key.bits, value.bits) for key, _, value, _ in codecs] == [(4, 3), (5, 4), (4, 3), (5, 4)]
     total_bits = builder.effective_bits_per_value(512) * 2 * 32 * 512 * 2 * len(caches)
     assert sum(c.nbytes for c in caches) * 8 == pytest.approx(total_bits, rel=1e-12)
 

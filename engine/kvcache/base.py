@@ -201,10 +201,10 @@ class VeloxKVCache(_BaseCache):
     @property
     def state(self) -> dict[str, Any]:
         # "config" is what this layer stores (its real bits), so a reader that knows no `wide` option still
-        # reads the truth; "spec" (only where it differs) is the whole model's, restored as `spec`.
+        # reads the truth; "spec" (only for a `wide` spec) is the whole model's, restored as `spec`.
         meta = {
             "config": self.config.to_json(),
-            **({} if self.spec is self.config else {"spec": self.spec.to_json()}),
+            **({} if self.spec.without_wide() is self.spec else {"spec": self.spec.to_json()}),
             "layer_index": self.layer_index,
             "offset": self.offset,
             "input_dtype": self._input_dtype_name,

@@ -346,6 +346,8 @@ class KVCacheConfig:
             extras.append(f"window {self.residual_window}")
         if self.sink_tokens:
             extras.append(f"sinks {self.sink_tokens}")
+        if self.wide_fraction:
+            extras.append(f"{self.wide_fraction:.0%} of layers +1 bit")
         if extras:
             label += f" ({', '.join(extras)})"
         return label
