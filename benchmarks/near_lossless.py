@@ -70,8 +70,9 @@ def main() -> None:
     names = [s.strip() for s in args.specs.split(",") if s.strip()]
     configs = {name: KVCacheConfig.parse(name) for name in names}
     # The builder validates each spec for the model; a `wide=F` spec gets its layers from the calibration here
-    # (text the model writes itself, never these windows), and `builders[name].config` names them.
-    builders = {name: KVCacheBuilder(config).for_model(model) for name, config in configs.items()}
+    # (as the app's session does: the bundled prose, the opening of Areopagitica, never these windows), and
+    # `builders[name].config` names them.
+    builders = {name: KVCacheBuilder(config).for_model(model, tokenizer=tokenizer) for name, config in configs.items()}
     factories = {name: builder.build for name, builder in builders.items()}
     reference = names[0]
     per_spec: dict[str, dict[str, list]] = {name: {"nll": [], "kl": [], "top1": [], "bytes": []} for name in names}
@@ -111,7 +112,7 @@ def main() -> None:
         )
         row = {
             "spec": name,
-            **({"built": str(config)} if str(config) != name else {}),
+            **({"built": str(config)} if config.wide_fraction is not None else {}),
             "delta_nll": delta,
             "delta_nll_se": se,
             "ppl_change": math.expm1(delta),

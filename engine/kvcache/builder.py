@@ -71,16 +71,23 @@ class KVCacheBuilder:
         self.config = config
         self.shape: ModelShape | None = None
 
-    def for_model(self, model: Any, calibration_tokens: Sequence[int] | None = None) -> KVCacheBuilder:
+    def for_model(
+        self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None
+    ) -> KVCacheBuilder:
         """Validate for `model`. A `wide=F` config that does not name its layers gets them here from the
-        layer-sensitivity calibration (cached on disk; `calibration_tokens`, or text the model writes), so
-        `self.config` names them (`wide_layers`) and re-encoding to it needs no model."""
+        layer-sensitivity calibration (cached on disk), so `self.config` names them (`wide_layers`) and
+        re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
+        the bundled prose; else text the model writes itself (which ranks SmolLM2's layers worse: see
+        layer_sensitivity's module doc)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
         get_method(self.config.method).check_model(self.config, model)
         if self.config.wide_fraction is not None and self.config.wide_layers is None:
-            from engine.kvcache.layer_sensitivity import calibrated_wide_layers  # loads only when asked for
+            # Loaded only when asked for (it imports this module).
+            from engine.kvcache.layer_sensitivity import calibrated_wide_layers, prose_calibration_tokens
 
+            if calibration_tokens is None and tokenizer is not None:
+                calibration_tokens = prose_calibration_tokens(tokenizer)
             layers = calibrated_wide_layers(model, self.config, calibration_tokens)
             self.config = self.config.with_wide_layers(layers)
         self.config.check_wide_layers(self.shape.n_layers)
