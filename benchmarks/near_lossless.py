@@ -69,7 +69,11 @@ def main() -> None:
     shape = model_shape(model)
     names = [s.strip() for s in args.specs.split(",") if s.strip()]
     configs = {name: KVCacheConfig.parse(name) for name in names}
-    factories = {name: KVCacheBuilder(config).for_model(model).build for name, config in configs.items()}
+    # The builder validates each spec for the model; a `wide=F` spec gets its layers from the calibration here
+    # (as the app's session does: the bundled prose, the opening of Areopagitica, never these windows), and
+    # `builders[name].config` names them.
+    builders = {name: KVCacheBuilder(config).for_model(model, tokenizer=tokenizer) for name, config in configs.items()}
+    factories = {name: builder.build for name, builder in builders.items()}
     reference = names[0]
     per_spec: dict[str, dict[str, list]] = {name: {"nll": [], "kl": [], "top1": [], "bytes": []} for name in names}
     windows = []
@@ -98,14 +102,17 @@ def main() -> None:
     for name in names:
         nll = np.concatenate(per_spec[name]["nll"])
         delta, se = paired(nll, ref_nll)
-        config = configs[name]
+        config = builders[name].config
         method = get_method(config.method)
-        bits = method.effective_bits_per_value(config, shape.head_dim, BITS_AT_TOKENS, shape.n_kv_heads)
+        # Averaged over this model's layers where some are wider (floor(F·L)/L; F itself is the budget).
+        bits = method.effective_bits_per_value(
+            config, shape.head_dim, BITS_AT_TOKENS, shape.n_kv_heads, n_layers=shape.n_layers)
         held_bits = per_spec[name]["bytes"][-1] * 8 / (
             2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * (windows[-1]["tokens"] - 1)
         )
         row = {
             "spec": name,
+            **({"built": str(config)} if config.wide_fraction is not None else {}),
             "delta_nll": delta,
             "delta_nll_se": se,
             "ppl_change": math.expm1(delta),

@@ -38,6 +38,11 @@ CONFIGS = {
     "kivi-grids": KVCacheConfig(
         "kivi", 3, group_size=32, options={"key_grid": "lloyd_ends", "value_grid": "lloyd", "key_block": 64}
     ),
+    # Per-layer bits: layer 0 (the one the nbytes test walks) stores k5v4, layer 1 the spec's k4v3.
+    "kivi-wide-layer": KVCacheConfig(
+        "kivi", 4, 3, group_size=32, sink_tokens=2,
+        options={"rotate_values": True, "wide": 0.5, "wide_layers": "L0"},
+    ),
 }
 
 

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator 
 # Every decode codec the methods use (KIVI at 4/3/2 bits and the app's 4-bit level), with sinks and windows.
 SPECS = (
     "kivi:k4v4:g64:s4:key_block=128:rotate_values=true",  # the app's 4-bit level
+    # A wide layer of it (option wide: the one layer here stores k5v5): the kernel reads the layer's 5-bit codes.
+    "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=1:wide_layers=L0",
     "kivi:k4v4:g64",
     "kivi:k3v3:g32:w9:s4",
     "kivi:k2v2:g64",
@@ -83,6 +85,7 @@ def test_emulated_decode_kernel_matches_reference(spec: str) -> None:
     for head_dim, rows in SHAPES:
         for tokens in TOKENS:
             cache = _filled(spec, tokens, head_dim, rows, seed=tokens + head_dim)
+            assert "wide=" not in spec or (cache.config.key_bits, cache.config.value_bits) == (5, 5)
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, rows * N_KV, 1, head_dim),
                                                                                 dtype=np.float32))
             scale = head_dim**-0.5

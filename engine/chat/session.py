@@ -112,11 +112,12 @@ def _default_cache_factory(model: Any) -> list[Any]:
 _SAME = object()  # adopt_saved_cache: the cache was made with the session's own compression
 
 
-def _factory_for(model: Any, config: Any) -> CacheFactory:
-    """The cache factory of a compression (None: the uncompressed default); validates `config` for `model`."""
+def _factory_for(model: Any, config: Any, tokenizer: Any = None) -> CacheFactory:
+    """The cache factory of a compression (None: the uncompressed default); validates `config` for `model`
+    (a `wide=F` config gets its layers there, calibrated on prose through `tokenizer`: see layer_sensitivity)."""
     if config is None:
         return _default_cache_factory
-    config = KVCacheBuilder(config).for_model(model).config
+    config = KVCacheBuilder(config).for_model(model, tokenizer=tokenizer).config
 
     def factory(model: Any, _config: Any = config) -> list[Any]:
         return KVCacheBuilder(_config).for_model(model).build()
@@ -333,7 +334,7 @@ class ChatSession:
         if offsets != {len(tokens)}:
             raise ValueError(f"The cache holds {sorted(offsets)} tokens, not {len(tokens)}.")
         if compression is not _SAME:
-            self._cache_factory = _factory_for(self.model, compression)
+            self._cache_factory = _factory_for(self.model, compression, self.tokenizer)
             self.compression = compression
         self.prompt_cache = prompt_cache
         self.cached_tokens = list(tokens)
@@ -356,9 +357,9 @@ class ChatSession:
         start = time.perf_counter()
         bytes_before = self.kv_cache_bytes()
         before = self._describe_compression(self.compression)
-        factory = _factory_for(self.model, config)  # validates the config before touching anything
+        factory = _factory_for(self.model, config, self.tokenizer)  # validates the config before touching anything
         if config is not None:
-            config = KVCacheBuilder(config).for_model(self.model).config
+            config = KVCacheBuilder(config).for_model(self.model, tokenizer=self.tokenizer).config
 
         upgrading = self._precision_rank(config) > self._precision_rank(self.compression)
         tokens = list(self.cached_tokens)

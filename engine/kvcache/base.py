@@ -29,7 +29,7 @@ from mlx_lm.models.cache import create_attention_mask as _mlx_create_attention_m
 from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
 from engine.kvcache import kernels as _kernels
-from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.config import KVCacheConfig, n_wide_layers
 from engine.runtime.cpu import attention as cpu_attention
 from engine.runtime.masks import apply_attention_mask
 
@@ -85,11 +85,17 @@ class VeloxKVCache(_BaseCache):
     description: ClassVar[str] = ""
     # Group sizes the method accepts (None: any that divides head_dim).
     supported_group_sizes: ClassVar[tuple[int, ...] | None] = None
+    # Whether the method takes options `wide`/`wide_layers` (some layers one bit wider; see config.py).
+    widens_layers: ClassVar[bool] = False
     # Buffers grow in steps of this many tokens (as in mlx-lm), so appends are not quadratic.
     step: ClassVar[int] = 256
 
     def __init__(self, config: KVCacheConfig, layer_index: int = 0) -> None:
-        self.config = config
+        # `spec` is what was asked for, the whole model's (with `wide`, naming the wide layers); `config` is
+        # what this layer stores (`KVCacheConfig.for_layer`: its real bits, no `wide` options), so attention,
+        # trim, the decode kernel and the bits formula read one plain configuration.
+        self.spec = config
+        self.config = config.for_layer(layer_index)
         self.layer_index = layer_index
         self.offset = 0
         self._input_dtype_name: str | None = None
@@ -115,11 +121,37 @@ class VeloxKVCache(_BaseCache):
 
     @classmethod
     def effective_bits_per_value(
-        cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
+        cls,
+        config: KVCacheConfig,
+        head_dim: int,
+        n_tokens: int | None = None,
+        n_kv_heads: int = 1,
+        n_layers: int | None = None,
     ) -> float:
         """Bits stored per cached key or value element, counting every scale, bias, norm, codebook,
-        rotation and 16-bit token amortised over `n_tokens` (None: the long-context limit)."""
+        rotation and 16-bit token amortised over `n_tokens` (None: the long-context limit), averaged over
+        the layers where some are stored wider (option `wide`, over `n_layers` layers; see `wide_bits`)."""
         raise NotImplementedError
+
+    @classmethod
+    def wide_bits(
+        cls,
+        config: KVCacheConfig,
+        head_dim: int,
+        n_tokens: int | None,
+        n_kv_heads: int,
+        n_layers: int | None,
+    ) -> float | None:
+        """The bits averaged over the layers of a `wide=F` config, or None without `wide`: base + share ×
+        (widened - base), where share = floor(F·L)/L of a model of `n_layers` = L layers, and F itself where
+        the layer count is not known (the budget the fraction asks for; floor(F·L)/L never exceeds it)."""
+        fraction = config.wide_fraction
+        if fraction is None:
+            return None
+        share = fraction if n_layers is None else n_wide_layers(fraction, n_layers) / n_layers
+        base = cls.effective_bits_per_value(config.without_wide(), head_dim, n_tokens, n_kv_heads)
+        wide = cls.effective_bits_per_value(config.widened(), head_dim, n_tokens, n_kv_heads)
+        return base + share * (wide - base)
 
     @classmethod
     def expected_nbytes(
@@ -168,8 +200,11 @@ class VeloxKVCache(_BaseCache):
 
     @property
     def state(self) -> dict[str, Any]:
+        # "config" is what this layer stores (its real bits), so a reader that knows no `wide` option still
+        # reads the truth; "spec" (only for a `wide` spec) is the whole model's, restored as `spec`.
         meta = {
             "config": self.config.to_json(),
+            **({} if self.spec.without_wide() is self.spec else {"spec": self.spec.to_json()}),
             "layer_index": self.layer_index,
             "offset": self.offset,
             "input_dtype": self._input_dtype_name,
@@ -183,7 +218,12 @@ class VeloxKVCache(_BaseCache):
     @state.setter
     def state(self, value: dict[str, Any]) -> None:
         meta = value["meta"]
-        VeloxKVCache.__init__(self, KVCacheConfig.from_json(meta["config"]), int(meta["layer_index"]))
+        config = KVCacheConfig.from_json(meta["config"])
+        VeloxKVCache.__init__(self, config, int(meta["layer_index"]))
+        if "spec" in meta:
+            # The saved layer config is authoritative (it may hold what set-up added, e.g. a checksum); the
+            # spec is what the cache shows and re-encodes from.
+            self.spec = KVCacheConfig.from_json(meta["spec"])
         self._reset_storage()
         if meta.get("input_dtype"):
             self._setup(
@@ -254,7 +294,9 @@ class VeloxKVCache(_BaseCache):
 
     def load_dense(self, chunks: Iterable[tuple[mx.array, mx.array]]) -> VeloxKVCache:
         """Replace the contents with these dense (keys, values) chunks, encoding each as it comes."""
-        VeloxKVCache.__init__(self, self.config, self.layer_index)
+        spec, config = self.spec, self.config
+        VeloxKVCache.__init__(self, config, self.layer_index)
+        self.spec = spec
         self._reset_storage()
         for keys, values in chunks:
             self.update_and_fetch(keys, values)
@@ -451,9 +493,17 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
     @classmethod
     def effective_bits_per_value(
-        cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
+        cls,
+        config: KVCacheConfig,
+        head_dim: int,
+        n_tokens: int | None = None,
+        n_kv_heads: int = 1,
+        n_layers: int | None = None,
     ) -> float:
         config = config.validate(head_dim)
+        averaged = cls.wide_bits(config, head_dim, n_tokens, n_kv_heads, n_layers)
+        if averaged is not None:
+            return averaged
         compressed = cls.compressed_bits_per_token(config, head_dim)
         values_per_token = 2 * head_dim  # one key and one value vector per token and kv head
         if n_tokens is None:

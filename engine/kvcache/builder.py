@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,25 +71,46 @@ class KVCacheBuilder:
         self.config = config
         self.shape: ModelShape | None = None
 
-    def for_model(self, model: Any) -> KVCacheBuilder:
+    def for_model(
+        self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None
+    ) -> KVCacheBuilder:
+        """Validate for `model`. A `wide=F` config that does not name its layers gets them here from the
+        layer-sensitivity calibration (cached on disk), so `self.config` names them (`wide_layers`) and
+        re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
+        the bundled prose; else text the model writes itself (which ranks SmolLM2's layers worse: see
+        layer_sensitivity's module doc)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
         get_method(self.config.method).check_model(self.config, model)
+        if self.config.wide_fraction is not None and self.config.wide_layers is None:
+            # Loaded only when asked for (it imports this module).
+            from engine.kvcache.layer_sensitivity import calibrated_wide_layers, prose_calibration_tokens
+
+            if calibration_tokens is None and tokenizer is not None:
+                calibration_tokens = prose_calibration_tokens(tokenizer)
+            layers = calibrated_wide_layers(model, self.config, calibration_tokens)
+            self.config = self.config.with_wide_layers(layers)
+        self.config.check_wide_layers(self.shape.n_layers)
         return self
 
     def for_shape(self, shape: ModelShape) -> KVCacheBuilder:
+        """Validate for a model shape alone (no calibration: a `wide=F` config builds only with its
+        wide_layers named; its bits are known either way)."""
         self.shape = shape
         self.config = self.config.validate(shape.head_dim)
+        self.config.check_wide_layers(shape.n_layers)
         return self
 
     def effective_bits_per_value(self, n_tokens: int | None = None) -> float:
+        """The registry's formula for this model; with `wide=F`, averaged over its layers (floor(F·L)/L)."""
         shape = self._require_shape()
         return get_method(self.config.method).effective_bits_per_value(
-            self.config, shape.head_dim, n_tokens, shape.n_kv_heads
+            self.config, shape.head_dim, n_tokens, shape.n_kv_heads, n_layers=shape.n_layers
         )
 
     def build(self) -> list[VeloxKVCache]:
-        """One cache per layer; installs the attention hook and mlx-lm loader registration (idempotent)."""
+        """One cache per layer; installs the attention hook and mlx-lm loader registration (idempotent).
+        Each cache is given the whole config and its layer index and stores `config.for_layer(i)`."""
         shape = self._require_shape()
         cache_class = get_method(self.config.method)
         install_attention_dispatch()
@@ -125,6 +146,7 @@ def reencode_caches(
     This is the live compression switch of `ChatSession.set_compression` and what `velox bench speed`
     times for it: see `reencode_into`."""
     cache_class = get_method(config.method)
+    config.check_wide_layers(len(caches))
     install_attention_dispatch()
     return reencode_into(caches, [cache_class(config, layer_index=i) for i in range(len(caches))], chunk_tokens)
 

@@ -28,6 +28,15 @@ Method options in use (each method's `check_config` says which it reads):
       values=NAME                qjl: the partner method that stores the values (affine), e.g.
                                  qjl:k4v4:g64:values=affine
       codebooks=DIR              vq: the folder `velox precompute` wrote, e.g. vq:k2v2:codebooks=/data/cb
+      wide=F                     kivi: per-layer bits. floor(F × n_layers) layers (a fraction 0..1; the floor
+                                 never spends more than the fraction's bits) store keys and values with one
+                                 more bit each, the rest with the spec's bits; which layers is decided by a
+                                 calibration pass on the model (engine/kvcache/layer_sensitivity.py), e.g.
+                                 kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1
+      wide_layers=LI.J...        kivi, with wide: those layers (0-based, dot-separated after an L; a word
+                                 the syntax reads unquoted), e.g. wide=0.1:wide_layers=L1.10.18. The builder
+                                 writes it after calibrating, so a validated config names its layers; given,
+                                 it replaces the calibration (its count must be floor(F × n_layers))
       kernels=auto|require|off   compressed methods: the GPU decode kernels (engine/kvcache/kernels)
       prefill_attention=NAME     compressed methods: how several query tokens attend (fused, auto, ...)
 
@@ -63,6 +72,37 @@ _WORD = re.compile(r"[A-Za-z_/~.][A-Za-z0-9_./~-]*")  # names and paths (codeboo
 _INT = re.compile(r"-?\d+")
 _FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|-?inf|nan")
 _LITERALS: dict[str, Any] = {"true": True, "false": False, "null": None}
+
+# ----- per-layer bits (options `wide` and `wide_layers`; see the module doc) --------------------------------
+WIDE_OPTION = "wide"
+WIDE_LAYERS_OPTION = "wide_layers"
+_WIDE_LAYERS = re.compile(r"L(?:\d+(?:\.\d+)*)?")
+# floor(F × L) of a float F: 0.1 × 30 is 3.0000000000000004 and 0.29 × 100 is 28.999999999999996; the slack
+# makes a fraction written to a few decimals count the layers it names.
+_WIDE_SLACK = 1e-9
+
+
+def n_wide_layers(fraction: float, n_layers: int) -> int:
+    """How many of `n_layers` layers `wide=fraction` widens: floor(fraction × n_layers), so the averaged
+    bits never exceed base + fraction × (widened - base)."""
+    return int(math.floor(fraction * n_layers + _WIDE_SLACK))
+
+
+def format_wide_layers(layers: Any) -> str:
+    """The `wide_layers` value for these layer indices, e.g. 'L1.10.18' (sorted, each once)."""
+    return "L" + ".".join(str(int(i)) for i in sorted(set(layers)))
+
+
+def parse_wide_layers(text: Any) -> tuple[int, ...]:
+    """The layer indices of a `wide_layers` value ('L1.10.18' -> (1, 10, 18)); ConfigError if malformed."""
+    if not isinstance(text, str) or not _WIDE_LAYERS.fullmatch(text):
+        raise ConfigError(
+            f"wide_layers takes L and dot-separated layer indices (e.g. wide_layers=L1.10.18), not {text!r}."
+        )
+    layers = tuple(int(i) for i in text[1:].split(".")) if len(text) > 1 else ()
+    if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+        raise ConfigError(f"wide_layers names each layer once, in increasing order, not {text!r}.")
+    return layers
 
 
 @dataclass(frozen=True)
@@ -126,8 +166,75 @@ class KVCacheConfig:
                     f"Method {self.method!r} does not support {bits}-bit {role}s; "
                     f"it supports {', '.join(str(b) for b in supported)} bits."
                 )
+        if (WIDE_OPTION in self.options or WIDE_LAYERS_OPTION in self.options) and not method_class.widens_layers:
+            raise ConfigError(
+                f"Method {self.method!r} cannot store some layers with more bits (options wide, wide_layers); "
+                "kivi can."
+            )
         method_class.check_config(resolved, head_dim)
         return resolved
+
+    # ----- per-layer bits ------------------------------------------------------------------------------
+
+    @property
+    def wide_fraction(self) -> float | None:
+        """Option `wide` (the fraction of layers stored one bit wider), or None without it."""
+        fraction = self.options.get(WIDE_OPTION)
+        return None if fraction is None else float(fraction)
+
+    @property
+    def wide_layers(self) -> tuple[int, ...] | None:
+        """Option `wide_layers` read as layer indices, or None when the layers are not named (yet)."""
+        text = self.options.get(WIDE_LAYERS_OPTION)
+        return None if text is None else parse_wide_layers(text)
+
+    def without_wide(self) -> KVCacheConfig:
+        """This configuration without `wide`/`wide_layers`: what every layer not widened stores."""
+        if WIDE_OPTION not in self.options and WIDE_LAYERS_OPTION not in self.options:
+            return self
+        options = {k: v for k, v in self.options.items() if k not in (WIDE_OPTION, WIDE_LAYERS_OPTION)}
+        return replace(self, options=options)
+
+    def widened(self) -> KVCacheConfig:
+        """What a wide layer stores: one more key and value bit, no `wide` options (bits resolved first:
+        None means the method's default, values like keys)."""
+        plain = self.without_wide()
+        key_bits = get_method(self.method).default_bits if self.key_bits is None else self.key_bits
+        value_bits = key_bits if self.value_bits is None else self.value_bits
+        return replace(plain, key_bits=key_bits + 1, value_bits=value_bits + 1)
+
+    def with_wide_layers(self, layers: Any) -> KVCacheConfig:
+        """This configuration naming its wide layers (option `wide_layers`)."""
+        return replace(self, options={**self.options, WIDE_LAYERS_OPTION: format_wide_layers(layers)})
+
+    def for_layer(self, layer_index: int) -> KVCacheConfig:
+        """The configuration layer `layer_index` really stores: `widened()` for a wide layer, `without_wide()`
+        for the others; the configuration itself when it has no `wide` option. A cache holds this as its
+        `config`, so every reader of its bits (attention, trim, the decode kernel, save/load) sees the
+        layer's real bits without knowing about `wide`."""
+        if WIDE_OPTION not in self.options and WIDE_LAYERS_OPTION not in self.options:
+            return self
+        layers = self.wide_layers
+        if layers is None:
+            raise ConfigError(
+                f"The spec {self} does not name its wide layers: build it with KVCacheBuilder.for_model(model), "
+                "which calibrates them, or give wide_layers=L..."
+            )
+        return self.widened() if layer_index in layers else self.without_wide()
+
+    def check_wide_layers(self, n_layers: int) -> None:
+        """ConfigError unless the named wide layers fit a model of `n_layers` layers: floor(F × n_layers) of
+        them, each below n_layers. Nothing to check without `wide` or before the layers are named."""
+        fraction, layers = self.wide_fraction, self.wide_layers
+        if fraction is None or layers is None:
+            return
+        expected = n_wide_layers(fraction, n_layers)
+        if len(layers) != expected or any(i >= n_layers for i in layers):
+            raise ConfigError(
+                f"wide={self.options[WIDE_OPTION]} widens {expected} of this model's {n_layers} layers, "
+                f"but wide_layers={self.options[WIDE_LAYERS_OPTION]} names {len(layers)}"
+                + (" (some past the last layer)." if any(i >= n_layers for i in layers) else ".")
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,6 +346,8 @@ class KVCacheConfig:
             extras.append(f"window {self.residual_window}")
         if self.sink_tokens:
             extras.append(f"sinks {self.sink_tokens}")
+        if self.wide_fraction:
+            extras.append(f"{self.wide_fraction:.0%} of layers +1 bit")
         if extras:
             label += f" ({', '.join(extras)})"
         return label

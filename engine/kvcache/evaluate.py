@@ -83,7 +83,7 @@ def teacher_forced_quality(
             perplexity=math.exp(nll),
             kl_to_reference=kl_sum[name].item() / n_predicted,
             effective_bits=get_method(builder.config.method).effective_bits_per_value(
-                builder.config, shape.head_dim, n_predicted, shape.n_kv_heads
+                builder.config, shape.head_dim, n_predicted, shape.n_kv_heads, n_layers=shape.n_layers
             ),
             cache_bytes=sum(cache.nbytes for cache in caches[name]),
             seconds=seconds[name],

@@ -80,7 +80,12 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
 
     @classmethod
     def effective_bits_per_value(
-        cls, config: KVCacheConfig, head_dim: int, n_tokens: int | None = None, n_kv_heads: int = 1
+        cls,
+        config: KVCacheConfig,
+        head_dim: int,
+        n_tokens: int | None = None,
+        n_kv_heads: int = 1,
+        n_layers: int | None = None,
     ) -> float:
         config.validate(head_dim)
         return float(cls.storage_bits)

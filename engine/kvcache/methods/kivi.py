@@ -54,6 +54,14 @@ key_grid +8.6%, value_grid +10.7%, against +7.2%; 4-bit value_grid +1.21% agains
 value_grid does too (+55.7%). The levels are MSE-optimal, which at 3+ bits moves the outer levels off the group's
 extremes that large attention scores depend on.
 
+Option `wide=F` (a fraction 0..1) stores floor(F × n_layers) layers with one more key and value bit (k5v5 in a
+k4v4 spec; 8-bit and 6-bit roles cannot widen: kivi has no 9- or 7-bit codes), the layers that lose the most
+when quantized, found by a calibration pass on the model (`engine/kvcache/layer_sensitivity.py`); the builder
+names them in option `wide_layers=L1.10.18`. Each layer's cache holds its own plain configuration
+(`KVCacheConfig.for_layer`), so everything below reads the layer's real bits. The bits formula averages over the
+layers. Simulated on SmolLM2-135M (benchmarks/results/near_lossless_lowbits_experiments.json): layers 1, 10 and
+18 of 30 at k5v5 took the 4-bit level from +1.04% to +0.46% perplexity on held-out prose, at 4.49 bits.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -69,7 +77,7 @@ import mlx.core as mx
 
 from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
-from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig, parse_wide_layers
 from engine.kvcache.kernels import Codec
 from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
@@ -145,6 +153,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     default_bits: ClassVar[int] = 4
     supported_group_sizes: ClassVar[tuple[int, ...] | None] = AFFINE_GROUP_SIZES
     needs_calibration: ClassVar[bool] = False
+    widens_layers: ClassVar[bool] = True
     attention_path: ClassVar[str] = "fused"
     description: ClassVar[str] = (
         "KIVI: keys quantized per channel over blocks of group_size tokens, values per token; the newest "
@@ -188,6 +197,32 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 f"Method 'kivi' needs a key block (group size, or option key_block) of 32, 64 or 128 tokens, "
                 f"not {block}."
             )
+        cls.check_wide(config, head_dim)
+
+    @classmethod
+    def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:
+        """Options `wide=F` (a fraction 0..1 of the layers stored with one more key and value bit) and
+        `wide_layers=L...` (which ones, given with `wide`; the builder writes it after calibrating): the
+        widened bits must be bits kivi has (8 cannot widen, nor 6: there is no 7-bit code), and the widened
+        configuration must pass every other check (a grid at its bits, say)."""
+        options = config.options
+        if WIDE_OPTION not in options:
+            if WIDE_LAYERS_OPTION in options:
+                raise ConfigError("Method 'kivi' takes wide_layers only with wide=F (the fraction it widens).")
+            return
+        fraction = options[WIDE_OPTION]
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ConfigError(f"Method 'kivi' takes wide=F with F a fraction of the layers, 0 to 1, not {fraction!r}.")
+        if WIDE_LAYERS_OPTION in options:
+            parse_wide_layers(options[WIDE_LAYERS_OPTION])
+        widened = config.widened()
+        for role, bits in (("key", widened.key_bits), ("value", widened.value_bits)):
+            if bits not in cls.supported_bits:
+                raise ConfigError(
+                    f"Method 'kivi' cannot widen {bits - 1}-bit {role}s (wide={fraction}): a wide layer stores "
+                    f"one more bit and kivi has {', '.join(str(b) for b in cls.supported_bits)}-bit codes."
+                )
+        cls.check_config(widened, head_dim)
 
     @classmethod
     def key_block(cls, config: KVCacheConfig) -> int:

@@ -104,6 +104,30 @@ def model_identity(model: Any, name: str = "") -> dict[str, Any]:
     }
 
 
+# Elements sampled from each weight array by `weights_fingerprint` (evenly strided over the whole array).
+FINGERPRINT_SAMPLES = 1024
+
+
+def weights_fingerprint(model: Any) -> str:
+    """A sha256 over every parameter's name, shape, dtype and FINGERPRINT_SAMPLES elements strided over it.
+
+    `model_identity` hashes the architecture only, which two fine-tunes of one base share; a fine-tune (or a
+    merged adapter, a low-rank update that touches every element of a matrix) changes the sampled elements.
+    Sampling keeps it cheap for large models (the full weights of an 8B model would take seconds to hash)."""
+    from mlx.utils import tree_flatten
+
+    digest = hashlib.sha256()
+    for name, array in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
+        flat = array.reshape(-1)
+        stride = max(1, flat.size // FINGERPRINT_SAMPLES)
+        sample = flat[::stride][:FINGERPRINT_SAMPLES]
+        if mx.issubdtype(sample.dtype, mx.floating):
+            sample = sample.astype(mx.float32)  # numpy has no bfloat16; float32 holds every 16-bit float exactly
+        digest.update(f"{name}:{tuple(array.shape)}:{array.dtype}".encode())
+        digest.update(np.asarray(sample).tobytes())
+    return digest.hexdigest()
+
+
 def arrays_checksum(arrays: dict[str, mx.array]) -> str:
     digest = hashlib.sha256()
     for name in sorted(arrays):
