@@ -51,6 +51,7 @@ PARITY_SPECS = (
     ("kivi", 3, 32, 9, 4),
     ("kivi", 4, 64, 0, 4, {"key_block": 128}),
     ("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True}),  # the app's 4-bit level
+    ("kivi", 5, 64, 0, 4, {"key_block": 128, "rotate_values": True}),  # a wide layer of it (option wide)
     ("kivi", 4, 32, 0, 0, {"key_block": 128}),
     ("kivi", 2, 64, 0, 0),
     ("turboquant", 4, 64, 0, 0),
