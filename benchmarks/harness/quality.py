@@ -50,12 +50,13 @@ def prefill(model: Any, caches: list[Any], tokens: Sequence[int], chunk: int = P
 
 
 def perplexity_window(
-    model: Any, specs: Sequence[CacheSpec], tokens: list[int], chunk_tokens: int, score_from: int
+    model: Any, specs: Sequence[CacheSpec], tokens: list[int], chunk_tokens: int, score_from: int,
+    tokenizer: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Per-token NLL, KL and top-1 agreement of every spec on one window (lists, for combining)."""
     from engine.kvcache.evaluate import teacher_forced_token_stats
 
-    factories = {spec.text: spec.factory(model) for spec in specs}
+    factories = {spec.text: spec.factory(model, tokenizer) for spec in specs}
     stats = teacher_forced_token_stats(model, tokens, factories, REFERENCE, chunk_tokens, score_from)
     return {
         name: {
@@ -266,12 +267,12 @@ def greedy_tokens(model: Any, caches: list[Any], prompt: list[int], n_tokens: in
 
 
 def agreement_prompts(
-    model: Any, specs: Sequence[CacheSpec], prompts: list[list[int]], n_tokens: int
+    model: Any, specs: Sequence[CacheSpec], prompts: list[list[int]], n_tokens: int, tokenizer: Any = None
 ) -> dict[str, list[list[int]]]:
     """Greedy continuations of every prompt under every cache."""
     out: dict[str, Any] = {}
     for spec in specs:
-        factory = spec.factory(model)
+        factory = spec.factory(model, tokenizer)
         try:
             out[spec.text] = [greedy_tokens(model, factory(), prompt, n_tokens) for prompt in prompts]
         except RuntimeError as error:  # e.g. a kernel MLX lacks on this backend: recorded, not fatal

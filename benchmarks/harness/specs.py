@@ -177,13 +177,15 @@ class CacheSpec:
             raise ConfigError(f"{self.text!r} is not a Velox cache.")
         return self.config
 
-    def factory(self, model: Any) -> Callable[[], list[Any]]:
-        """A function building a fresh per-layer prompt cache for `model` on each call."""
+    def factory(self, model: Any, tokenizer: Any = None) -> Callable[[], list[Any]]:
+        """A function building a fresh per-layer prompt cache for `model` on each call. `tokenizer`: the
+        model's, so a `wide=F` spec calibrates its layers on the bundled prose as the app does (see
+        engine/kvcache/layer_sensitivity.py; without it the model's own text, which picks other layers)."""
         n_layers = len(model.layers)
         if self.family == "velox":
             from engine.kvcache import KVCacheBuilder
 
-            builder = KVCacheBuilder(self.velox_config()).for_model(model)
+            builder = KVCacheBuilder(self.velox_config()).for_model(model, tokenizer=tokenizer)
             return builder.build
         if self.family == "mlx-lm":
             return self._mlx_factory(n_layers)

@@ -94,10 +94,10 @@ def _task_perplexity(args: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.harness.quality import chunking_check, perplexity_window
     from benchmarks.harness.specs import parse_specs
 
-    model, _ = _load_model(args["model"])
+    model, tokenizer = _load_model(args["model"])
     specs = parse_specs(args["specs"])
     result: dict[str, Any] = {
-        "window": perplexity_window(model, specs, args["tokens"], args["chunk"], args["score_from"])
+        "window": perplexity_window(model, specs, args["tokens"], args["chunk"], args["score_from"], tokenizer)
     }
     if args.get("check_specs"):
         result["chunking_check"] = chunking_check(model, parse_specs(args["check_specs"]), args["check_tokens"])
@@ -109,7 +109,7 @@ def _task_needle(args: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.harness.specs import parse_specs
 
     model, tokenizer = _load_model(args["model"])
-    factories = {spec.text: spec.factory(model) for spec in parse_specs(args["specs"])}
+    factories = {spec.text: spec.factory(model, tokenizer) for spec in parse_specs(args["specs"])}
     trials = []
     for trial in args["trials"]:
         prompt, answer, facts = needle_prompt(tokenizer, trial["haystack"], trial["length"], trial["depth"], trial["seed"])
@@ -122,8 +122,9 @@ def _task_agreement(args: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.harness.quality import agreement_prompts
     from benchmarks.harness.specs import parse_specs
 
-    model, _ = _load_model(args["model"])
-    return {"generations": agreement_prompts(model, parse_specs(args["specs"]), args["prompts"], args["n_tokens"])}
+    model, tokenizer = _load_model(args["model"])
+    return {"generations": agreement_prompts(model, parse_specs(args["specs"]), args["prompts"], args["n_tokens"],
+                                             tokenizer)}
 
 
 def _task_memory_model(args: dict[str, Any]) -> dict[str, Any]:
