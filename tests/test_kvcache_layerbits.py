@@ -261,8 +261,31 @@ def test_builder_calibrates_on_the_bundled_prose_given_a_tokenizer(monkeypatch: 
 @pytest.mark.slow
 def test_smollm2_calibrated_layers_at_the_4_bit_level(smollm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the bundled prose, the builder picks the layers the simulation of issue 12 found (10, 18 and 1 at
-    k2v2 on other Areopagitica text), which gave the best held-out result."""
+    k2v2 on other Areopagitica text), which gave the best held-out result; measured here (the bundled
+    calibrations set aside), and the bundled file holds the same KLs, so it is not stale."""
     monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(sensitivity, "BUNDLED_DIR", tmp_path / "no-bundle")
     model, tokenizer, _ = smollm
     config = KVCacheBuilder(KVCacheConfig.parse(f"{LEVEL_4}:wide=0.1")).for_model(model, tokenizer=tokenizer).config
     assert config.wide_layers == (1, 10, 18) and len(config.wide_layers) == math.floor(0.1 * 30)
+    (measured,) = (tmp_path / "calibration").glob("layer_sensitivity-*.json")
+    bundled = json.loads((Path(sensitivity.__file__).with_name("calibrations") / measured.name).read_text())
+    assert bundled["key"] == json.loads(measured.read_text())["key"]
+    assert bundled["kl"] == pytest.approx(json.loads(measured.read_text())["kl"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize(("level", "layers"), [(LEVEL_4, (1, 10, 18)), ("kivi:k3v3:g64:s4:key_block=128", (1, 9, 10))])
+def test_the_default_model_needs_no_calibration_run(smollm, level: str, layers: tuple[int, ...], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Velox ships the default model's calibrations for the wide levels: building one measures nothing (the
+    measuring function fails if called) and writes nothing to the data folder."""
+    monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path))
+
+    def measure(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the bundled calibration was not used")
+
+    monkeypatch.setattr(sensitivity, "layer_kl", measure)
+    model, tokenizer, _ = smollm
+    config = KVCacheBuilder(KVCacheConfig.parse(f"{level}:wide=0.1")).for_model(model, tokenizer=tokenizer).config
+    assert config.wide_layers == layers
+    assert not list(tmp_path.rglob("layer_sensitivity-*.json"))

@@ -181,9 +181,29 @@ def _calibration_key(model: Any, probe: KVCacheConfig, tokens_described: dict[st
     }
 
 
-def calibration_path(key: dict[str, Any]) -> Path:
+# Calibrations that ship with Velox (the embedded default model at the app's levels), read before the data
+# folder's: the first use of a wide level on the default model then measures nothing (~3 minutes on a 2-core
+# CPU otherwise). Same file format and key; a file whose key does not match is ignored.
+BUNDLED_DIR = Path(__file__).with_name("calibrations")
+
+
+def calibration_name(key: dict[str, Any]) -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return calibration_dir() / f"layer_sensitivity-{digest}.json"
+    return f"layer_sensitivity-{digest}.json"
+
+
+def calibration_path(key: dict[str, Any]) -> Path:
+    return calibration_dir() / calibration_name(key)
+
+
+def _saved_kls(path: Path, key: dict[str, Any], n_layers: int) -> list[float] | None:
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # none yet, or unreadable: measure again (and overwrite it)
+    if saved.get("key") == key and len(saved.get("kl", ())) == n_layers:
+        return [float(kl) for kl in saved["kl"]]
+    return None
 
 
 def layer_sensitivity(
@@ -193,7 +213,8 @@ def layer_sensitivity(
     progress: Progress | None = None,
 ) -> list[float]:
     """Each layer's KL when it alone is stored as `probe_config(config)` (see the module doc), read from the
-    data folder's cache or measured (on `tokens`, or on text the model writes) and saved there."""
+    calibrations bundled with Velox (`BUNDLED_DIR`) or the data folder's cache, or measured (on `tokens`, or on
+    text the model writes) and saved in the data folder."""
     probe = probe_config(config)
     if tokens is None:
         described: dict[str, Any] = {
@@ -204,14 +225,14 @@ def layer_sensitivity(
         described = {"given_sha256": hashlib.sha256(json.dumps([int(t) for t in tokens]).encode()).hexdigest(),
                      "count": len(tokens)}
     key = _calibration_key(model, probe, described)
-    path = calibration_path(key)
     n_layers = model_shape(model).n_layers
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("key") == key and len(saved.get("kl", ())) == n_layers:
-            return [float(kl) for kl in saved["kl"]]
-    except (OSError, ValueError):
-        pass  # none yet, or unreadable: measure again (and overwrite it)
+    bundled = _saved_kls(BUNDLED_DIR / calibration_name(key), key, n_layers)
+    if bundled is not None:
+        return bundled
+    path = calibration_path(key)
+    saved = _saved_kls(path, key, n_layers)
+    if saved is not None:
+        return saved
     began = time.perf_counter()
     if tokens is None:
         if progress:
