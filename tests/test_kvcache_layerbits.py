@@ -289,3 +289,24 @@ def test_the_default_model_needs_no_calibration_run(smollm, level: str, layers: 
     config = KVCacheBuilder(KVCacheConfig.parse(f"{level}:wide=0.1")).for_model(model, tokenizer=tokenizer).config
     assert config.wide_layers == layers
     assert not list(tmp_path.rglob("layer_sensitivity-*.json"))
+
+
+def test_the_server_resolves_a_wide_level_once_with_the_tokenizer(smollm, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`velox serve` builds caches per request: the level's layers are resolved once, when the model loads,
+    from the bundled prose calibration (the tokenizer given), and no request measures anything."""
+    from engine.serve.provider import serving_cache_factory
+
+    monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path))
+    model, tokenizer, _ = smollm
+    factory = serving_cache_factory(KVCacheConfig.parse(f"{LEVEL_4}:wide=0.1"))
+    factory.prepare(model, tokenizer)
+
+    def measure(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a request calibrated")
+
+    monkeypatch.setattr(sensitivity, "layer_kl", measure)
+    monkeypatch.setattr(sensitivity, "layer_sensitivity", measure)
+    for _ in range(2):
+        caches = factory(model)
+        assert [i for i, cache in enumerate(caches) if cache.config.key_bits == 5] == [1, 10, 18]

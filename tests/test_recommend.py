@@ -8,7 +8,8 @@ import mlx.core as mx
 import pytest
 
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
-from engine.kvcache.config import KVCacheConfig
+from engine.kvcache import KVCacheBuilder, ModelShape
+from engine.kvcache.config import KVCacheConfig, n_wide_layers
 from engine.models.catalog import DEFAULT_MODEL_SPEC, ModelInfo
 from engine.planning.recommend import (
     LEVEL_KEYS,
@@ -148,25 +149,29 @@ def test_level_bits_are_the_registry_formula_of_their_config() -> None:
     assert level_by_key("16").effective_bits == 16.0
     assert level_by_key("8").effective_bits == 8.5
     # 4-bit codes; keys: an fp16 scale and bias per channel and 128-token block (0.25 bits), values: per 64
-    # channels (0.5 bits). The 4 sink tokens' 16 bits vanish in this per-value figure of an endless context.
-    assert level_by_key("4").effective_bits == 4.375
+    # channels (0.5 bits); a tenth of the layers one bit wider (wide=0.1: +0.1). The 4 sink tokens' 16 bits
+    # vanish in this per-value figure of an endless context.
+    assert level_by_key("4").effective_bits == pytest.approx(4.375 + 0.1)
     assert level_by_key("2").effective_bits == 2.375
 
 
 @pytest.mark.parametrize("key", LEVEL_KEYS)
 def test_estimate_matches_a_real_cache(key: str) -> None:
-    """The bytes a real Velox cache of one layer holds after 1024 tokens match the estimate per layer."""
-    from engine.kvcache.registry import get_method
-
+    """The bytes real Velox caches of every layer hold after 1024 tokens match the estimate."""
     level = level_by_key(key)
     config = level.config.validate(SMOLLM2.head_dim)
-    cache = get_method(config.method)(config, layer_index=0)
+    if config.wide_fraction is not None:
+        # which layers a calibration widens does not change the bytes: name the first ones
+        config = config.with_wide_layers(range(n_wide_layers(config.wide_fraction, SMOLLM2.layers)))
+    shape = ModelShape(n_layers=SMOLLM2.layers, n_heads=SMOLLM2.kv_heads, n_kv_heads=SMOLLM2.kv_heads,
+                       head_dim=SMOLLM2.head_dim)
+    caches = KVCacheBuilder(config).for_shape(shape).build()
     keys = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
     values = mx.random.normal((1, SMOLLM2.kv_heads, 1024, SMOLLM2.head_dim))
-    cache.update_and_fetch(keys, values)
-    mx.eval(cache.state)
-    estimate_per_layer = cache_bytes(SMOLLM2, 1024, level) / SMOLLM2.layers
-    assert cache.nbytes == pytest.approx(estimate_per_layer, rel=0.01)
+    for cache in caches:
+        cache.update_and_fetch(keys, values)
+    mx.eval([cache.state for cache in caches])
+    assert sum(cache.nbytes for cache in caches) == pytest.approx(cache_bytes(SMOLLM2, 1024, level), rel=0.01)
 
 
 def test_levels_make_valid_configs() -> None:
@@ -177,14 +182,14 @@ def test_levels_make_valid_configs() -> None:
         assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
     assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64, sink_tokens=4,
-                                                     options={"key_block": 128, "rotate_values": True})
+                                                     options={"key_block": 128, "rotate_values": True, "wide": 0.1})
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 
 
 def test_verdict_sentences() -> None:
     verdicts = {v.level.key: v for v in fit_verdicts(LLAMA_8B, 131072, 16 * GiB, prefill_chunk=128)}
-    assert verdicts["4"].message == "fits at 4-bit: 4.7 GB of cache"
+    assert verdicts["4"].message == "fits at 4-bit: 4.8 GB of cache"
     assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.2 GB")
     assert "17.2 GB free" in verdicts["16"].message
     odd = {v.level.key: v for v in fit_verdicts(ODD_HEADS, 1024, 16 * GiB)}

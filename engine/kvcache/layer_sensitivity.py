@@ -126,6 +126,7 @@ def layer_kl(
 ) -> list[float]:
     """Per layer, the mean KL(16-bit reference || that layer alone stored as `probe`) over the second half of
     `tokens` ([streams, n] or [n]), fed `chunk_tokens` at a time."""
+    # The builder imports this module: imported at call time.
     from engine.kvcache.builder import KVCacheBuilder
 
     tokens = tokens if tokens.ndim == 2 else tokens[None]

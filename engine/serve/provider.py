@@ -34,17 +34,31 @@ CacheFactory = Callable[[Any], list[Any]]
 DEFAULT_MODEL_NAMES = ("default", "default_model")
 
 
+class CompressedCaches:
+    """The cache factory of a compressed level: `config` resolved for the served model once (`prepare`, with
+    its tokenizer: a `wide=F` level's layers are calibrated there, on the bundled prose, or read from the
+    calibration cache), then one per-layer cache list per request without any further calibration work."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._resolved: dict[int, Any] = {}
+
+    def prepare(self, model: Any, tokenizer: Any = None) -> None:
+        self._resolved[id(model)] = KVCacheBuilder(self.config).for_model(model, tokenizer=tokenizer).config
+
+    def __call__(self, model: Any) -> list[Any]:
+        if id(model) not in self._resolved:
+            self.prepare(model)
+        return KVCacheBuilder(self._resolved[id(model)]).for_model(model).build()
+
+
 def serving_cache_factory(config: Any | None) -> CacheFactory:
-    """Per-layer caches for `config` (a KVCacheConfig), or for None the chat session's uncompressed default
-    (mlx-lm's KVCache; on the Linux CPU fast path the float32 Velox cache, which attends faster there).
-    Compressed caches prefill the device's fastest way (their `prefill_attention` option defaults to "auto")."""
+    """Per-layer caches for `config` (a KVCacheConfig; see `CompressedCaches`), or for None the chat session's
+    uncompressed default (mlx-lm's KVCache; on the Linux CPU fast path the float32 Velox cache, which attends
+    faster there). Compressed caches prefill the device's fastest way (`prefill_attention` defaults to "auto")."""
     if config is None:
         return _default_cache_factory
-
-    def build(model: Any) -> list[Any]:
-        return KVCacheBuilder(config).for_model(model).build()
-
-    return build
+    return CompressedCaches(config)
 
 
 class ServedModel:
@@ -130,6 +144,9 @@ class VeloxModelProvider(ModelProvider):
         else:
             model, tokenizer, info = load_model(resolve_model(self.model_spec))
         self._name(info)
+        prepare = getattr(self.cache_factory, "prepare", None)
+        if prepare is not None:  # resolve the level for this model once, with its tokenizer (CompressedCaches)
+            prepare(model, tokenizer)
         served = ServedModel(model, self.cache_factory)
         self.model_key = (str(info.path), None, None)
         self.model = served

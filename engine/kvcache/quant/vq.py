@@ -114,7 +114,7 @@ def weights_fingerprint(model: Any) -> str:
     `model_identity` hashes the architecture only, which two fine-tunes of one base share; a fine-tune (or a
     merged adapter, a low-rank update that touches every element of a matrix) changes the sampled elements.
     Sampling keeps it cheap for large models (the full weights of an 8B model would take seconds to hash)."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # kept beside its one use, as model_identity's model_shape import is
 
     digest = hashlib.sha256()
     for name, array in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
