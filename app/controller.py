@@ -147,6 +147,7 @@ class ChatController(QObject):
     lastEntryRemoved = Signal()
     replyStreaming = Signal(str)  # the reply so far
     replyFinished = Signal(object)  # the final ChatEntry of the reply
+    calibrationProgress = Signal(str, float)  # the worker's: a wide level calibrating its layers, once
     prefillProgress = Signal(int, int)
     overflowChoiceNeeded = Signal(object)  # Overflow
     # messages for the user
@@ -214,6 +215,7 @@ class ChatController(QObject):
         w.recommendation.connect(self._on_recommendation)
         w.busyChanged.connect(self._on_busy)
         w.prefillProgress.connect(self._on_prefill_progress)
+        w.calibrationProgress.connect(self.calibrationProgress.emit)
         w.textChunk.connect(self._on_text_chunk)
         w.notice.connect(self.noticeRaised.emit)
         w.throughput.connect(self.throughputSample.emit)

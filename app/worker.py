@@ -118,6 +118,7 @@ class EngineWorker(QObject):
     documentIngested = Signal(object)  # IngestResult
     # compression and memory
     compressionChanged = Signal(object)  # CompressionReport
+    calibrationProgress = Signal(str, float)  # a wide level's one-time layer calibration: message, fraction
     kvBytes = Signal(int, int)  # bytes held now, bytes a 16-bit cache would need for the same tokens
     historySet = Signal(int)  # number of messages now in the session
     savedCache = Signal(object)  # SavedCacheStatus
@@ -564,7 +565,7 @@ class EngineWorker(QObject):
                 config = level.config
                 if method and method != config.method:
                     config = replace(config, method=method)
-            result = session.set_compression(config)
+            result = session.set_compression(config, progress=self.calibrationProgress.emit)
         except VeloxError as error:
             self.compressionChanged.emit(replace(report, before=before, after=before, message=str(error)))
             return

@@ -359,3 +359,31 @@ def test_tray_mode_keeps_running_when_the_window_closes(tmp_path, smollm, qtbot)
         window.close()
         tray.hide()
         controller.store.close()
+
+
+def test_a_level_that_calibrates_shows_its_progress(make_window, qtbot, tmp_path, monkeypatch):
+    """A wide level on a model without a cached or bundled calibration measures its layers once, on the
+    worker: the window says so with a progress bar, and the switch then completes with the measured layers."""
+    from engine.kvcache import layer_sensitivity as sensitivity
+
+    monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(sensitivity, "BUNDLED_DIR", tmp_path / "no-bundle")
+
+    def fake_layer_kl(model, ids, probe, chunk_tokens, progress=None):  # the real one takes ~3 minutes here
+        n = len(model.layers)
+        for layer in range(n):
+            if progress:
+                progress(f"layer {layer + 1}/{n}", (layer + 1) / n)
+        return [1.0 if layer in (2, 5, 7) else 0.1 for layer in range(n)]
+
+    monkeypatch.setattr(sensitivity, "layer_kl", fake_layer_kl)
+    controller, window = make_window()
+    shown = []
+    monkeypatch.setattr(window.status_label, "setText", lambda text: shown.append(text))
+    window.compression.choose("4")
+    qtbot.waitUntil(lambda: controller.level_key == "4" and not controller.busy, timeout=WAIT_MS)
+    calibrating = [text for text in shown if text.startswith("Calibrating the compression level")]
+    assert calibrating and calibrating[-1].endswith("layer 30/30")
+    assert "Switched live to 4-bit" in window.compression.status.text()
+    caches = controller.engine.worker.session.prompt_cache
+    assert [i for i, cache in enumerate(caches) if cache.config.key_bits == 5] == [2, 5, 7]

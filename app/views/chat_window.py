@@ -310,6 +310,7 @@ class ChatWindow(QMainWindow):
         ctl.replyStreaming.connect(self.messages.stream_text)
         ctl.replyFinished.connect(self._on_reply_finished)
         ctl.prefillProgress.connect(self._on_prefill_progress)
+        ctl.calibrationProgress.connect(self._on_calibration_progress)
         ctl.overflowChoiceNeeded.connect(self.ask_overflow)
         ctl.errorRaised.connect(lambda text: self.banner.show_message(text, "error"))
         ctl.noticeRaised.connect(lambda text: self.banner.show_message(text, "notice"))
@@ -377,6 +378,13 @@ class ChatWindow(QMainWindow):
         self.messages.flush()
         if self.messages.bubbles:
             self.messages.bubbles[-1].set_caption(entry.caption)
+
+    def _on_calibration_progress(self, message: str, fraction: float) -> None:
+        """A level with per-layer bits measuring this model's layers (once per model; minutes on a small CPU)."""
+        self.progress.setVisible(True)
+        self.progress.setRange(0, 100)
+        self.progress.setValue(max(0, min(100, round(fraction * 100))))
+        self.status_label.setText(f"Calibrating the compression level for this model (once): {message}")
 
     def _on_prefill_progress(self, done: int, total: int) -> None:
         if total >= PROGRESS_MIN_TOKENS and done < total:

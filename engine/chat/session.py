@@ -112,12 +112,12 @@ def _default_cache_factory(model: Any) -> list[Any]:
 _SAME = object()  # adopt_saved_cache: the cache was made with the session's own compression
 
 
-def _factory_for(model: Any, config: Any, tokenizer: Any = None) -> CacheFactory:
+def _factory_for(model: Any, config: Any, tokenizer: Any = None, progress: Any = None) -> CacheFactory:
     """The cache factory of a compression (None: the uncompressed default); validates `config` for `model`
     (a `wide=F` config gets its layers there, calibrated on prose through `tokenizer`: see layer_sensitivity)."""
     if config is None:
         return _default_cache_factory
-    config = KVCacheBuilder(config).for_model(model, tokenizer=tokenizer).config
+    config = KVCacheBuilder(config).for_model(model, tokenizer=tokenizer, progress=progress).config
 
     def factory(model: Any, _config: Any = config) -> list[Any]:
         return KVCacheBuilder(_config).for_model(model).build()
@@ -346,18 +346,22 @@ class ChatSession:
             self._cache_factory = cache_factory
 
     # ----- live compression switch -----------------------------------------------------------------
-    def set_compression(self, config: Any, *, reprefill: bool = False, chunk_tokens: int = 1024) -> SwitchReport:
+    def set_compression(self, config: Any, *, reprefill: bool = False, chunk_tokens: int = 1024,
+                        progress: Callable[[str, float], None] | None = None) -> SwitchReport:
         """Change the KV cache method/bits mid-conversation without reloading the model.
 
         By default the held cache is re-encoded layer by layer (decoded in chunks of `chunk_tokens`, never
         the whole history at once) — no model call, no re-prefill. Re-encoding cannot restore precision
         that was already thrown away, so a switch *up* in precision keeps the old quantization error; with
         `reprefill=True` the cache is instead rebuilt exactly by running the model over the held tokens
-        (the report says which happened). `config=None` switches to mlx-lm's plain 16-bit cache."""
+        (the report says which happened). `config=None` switches to mlx-lm's plain 16-bit cache. A level with
+        `wide=F` calibrates its layers for this model the first time (minutes on a small CPU; see
+        engine/kvcache/layer_sensitivity.py): `progress(message, fraction)` hears of it."""
         start = time.perf_counter()
         bytes_before = self.kv_cache_bytes()
         before = self._describe_compression(self.compression)
-        factory = _factory_for(self.model, config, self.tokenizer)  # validates the config before touching anything
+        # validates the config before touching anything (and calibrates a wide level's layers, once per model)
+        factory = _factory_for(self.model, config, self.tokenizer, progress)
         if config is not None:
             config = KVCacheBuilder(config).for_model(self.model, tokenizer=self.tokenizer).config
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,13 +72,15 @@ class KVCacheBuilder:
         self.shape: ModelShape | None = None
 
     def for_model(
-        self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None
+        self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None,
+        progress: Callable[[str, float], None] | None = None,
     ) -> KVCacheBuilder:
         """Validate for `model`. A `wide=F` config that does not name its layers gets them here from the
         layer-sensitivity calibration (cached on disk), so `self.config` names them (`wide_layers`) and
         re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
         the bundled prose; else text the model writes itself (which ranks SmolLM2's layers worse: see
-        layer_sensitivity's module doc)."""
+        layer_sensitivity's module doc). `progress(message, fraction)` hears of a calibration that runs (once
+        per model and level; none where a calibration is cached or bundled)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
         get_method(self.config.method).check_model(self.config, model)
@@ -88,7 +90,7 @@ class KVCacheBuilder:
 
             if calibration_tokens is None and tokenizer is not None:
                 calibration_tokens = prose_calibration_tokens(tokenizer)
-            layers = calibrated_wide_layers(model, self.config, calibration_tokens)
+            layers = calibrated_wide_layers(model, self.config, calibration_tokens, progress)
             self.config = self.config.with_wide_layers(layers)
         self.config.check_wide_layers(self.shape.n_layers)
         return self
