@@ -382,7 +382,7 @@ def test_a_level_that_calibrates_shows_its_progress(make_window, qtbot, tmp_path
     monkeypatch.setattr(window.status_label, "setText", lambda text: shown.append(text))
     window.compression.choose("4")
     qtbot.waitUntil(lambda: controller.level_key == "4" and not controller.busy, timeout=WAIT_MS)
-    calibrating = [text for text in shown if text.startswith("Calibrating the compression level")]
+    calibrating = [text for text in shown if text.startswith("Calibrating for this model")]
     assert calibrating and calibrating[-1].endswith("layer 30/30")
     assert "Switched live to 4-bit" in window.compression.status.text()
     caches = controller.engine.worker.session.prompt_cache

@@ -164,6 +164,7 @@ class ChatWindow(QMainWindow):
 
         self.progress = QProgressBar()
         self.progress.setVisible(False)
+        self.progress.setTextVisible(False)  # a 3-pixel bar: its percentage text would spill over the chat
         self.progress.setFixedHeight(3)
         self.progress.setStyleSheet("QProgressBar { border-radius: 0; max-height: 3px; }"
                                     "QProgressBar::chunk { border-radius: 0; }")
@@ -384,7 +385,8 @@ class ChatWindow(QMainWindow):
         self.progress.setVisible(True)
         self.progress.setRange(0, 100)
         self.progress.setValue(max(0, min(100, round(fraction * 100))))
-        self.status_label.setText(f"Calibrating the compression level for this model (once): {message}")
+        # short: the status line sits beside the title (a long text is cut off before the count)
+        self.status_label.setText(f"Calibrating for this model: {message}")
 
     def _on_prefill_progress(self, done: int, total: int) -> None:
         if total >= PROGRESS_MIN_TOKENS and done < total:
