@@ -322,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     parser.add_argument("--kernel-constants", default="",
-                        help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"FUSED_MERGE": false})')
+                        help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"TILED_PREFETCH": false})')
     parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
                         help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
 

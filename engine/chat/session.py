@@ -112,12 +112,20 @@ def _default_cache_factory(model: Any) -> list[Any]:
 _SAME = object()  # adopt_saved_cache: the cache was made with the session's own compression
 
 
+def _resolved(model: Any, config: Any, tokenizer: Any = None, progress: Any = None) -> Any:
+    """`config` validated for `model` (None stays None); a `wide=F` config gets its layers named here, calibrated
+    on prose through `tokenizer` or read from the calibration cache (see layer_sensitivity)."""
+    if config is None:
+        return None
+    return KVCacheBuilder(config).for_model(model, tokenizer=tokenizer, progress=progress).config
+
+
 def _factory_for(model: Any, config: Any, tokenizer: Any = None, progress: Any = None) -> CacheFactory:
     """The cache factory of a compression (None: the uncompressed default); validates `config` for `model`
-    (a `wide=F` config gets its layers there, calibrated on prose through `tokenizer`: see layer_sensitivity)."""
+    (see `_resolved`)."""
     if config is None:
         return _default_cache_factory
-    config = KVCacheBuilder(config).for_model(model, tokenizer=tokenizer, progress=progress).config
+    config = _resolved(model, config, tokenizer, progress)
 
     def factory(model: Any, _config: Any = config) -> list[Any]:
         return KVCacheBuilder(_config).for_model(model).build()
@@ -360,10 +368,10 @@ class ChatSession:
         start = time.perf_counter()
         bytes_before = self.kv_cache_bytes()
         before = self._describe_compression(self.compression)
-        # validates the config before touching anything (and calibrates a wide level's layers, once per model)
-        factory = _factory_for(self.model, config, self.tokenizer, progress)
-        if config is not None:
-            config = KVCacheBuilder(config).for_model(self.model, tokenizer=self.tokenizer).config
+        # validates the config before touching anything (and calibrates a wide level's layers, once per model);
+        # resolved once, so the factory's own validation finds the layers already named
+        config = _resolved(self.model, config, self.tokenizer, progress)
+        factory = _factory_for(self.model, config)
 
         upgrading = self._precision_rank(config) > self._precision_rank(self.compression)
         tokens = list(self.cached_tokens)

@@ -204,7 +204,7 @@ class VeloxKVCache(_BaseCache):
         # reads the truth; "spec" (only for a `wide` spec) is the whole model's, restored as `spec`.
         meta = {
             "config": self.config.to_json(),
-            **({} if self.spec.without_wide() is self.spec else {"spec": self.spec.to_json()}),
+            **({"spec": self.spec.to_json()} if self.spec.has_wide else {}),
             "layer_index": self.layer_index,
             "offset": self.offset,
             "input_dtype": self._input_dtype_name,

@@ -166,7 +166,7 @@ class KVCacheConfig:
                     f"Method {self.method!r} does not support {bits}-bit {role}s; "
                     f"it supports {', '.join(str(b) for b in supported)} bits."
                 )
-        if (WIDE_OPTION in self.options or WIDE_LAYERS_OPTION in self.options) and not method_class.widens_layers:
+        if self.has_wide and not method_class.widens_layers:
             raise ConfigError(
                 f"Method {self.method!r} cannot store some layers with more bits (options wide, wide_layers); "
                 "kivi can."
@@ -175,6 +175,11 @@ class KVCacheConfig:
         return resolved
 
     # ----- per-layer bits ------------------------------------------------------------------------------
+
+    @property
+    def has_wide(self) -> bool:
+        """Whether option `wide` or `wide_layers` is given (some layers stored one bit wider)."""
+        return WIDE_OPTION in self.options or WIDE_LAYERS_OPTION in self.options
 
     @property
     def wide_fraction(self) -> float | None:
@@ -190,7 +195,7 @@ class KVCacheConfig:
 
     def without_wide(self) -> KVCacheConfig:
         """This configuration without `wide`/`wide_layers`: what every layer not widened stores."""
-        if WIDE_OPTION not in self.options and WIDE_LAYERS_OPTION not in self.options:
+        if not self.has_wide:
             return self
         options = {k: v for k, v in self.options.items() if k not in (WIDE_OPTION, WIDE_LAYERS_OPTION)}
         return replace(self, options=options)
@@ -212,7 +217,7 @@ class KVCacheConfig:
         for the others; the configuration itself when it has no `wide` option. A cache holds this as its
         `config`, so every reader of its bits (attention, trim, the decode kernel, save/load) sees the
         layer's real bits without knowing about `wide`."""
-        if WIDE_OPTION not in self.options and WIDE_LAYERS_OPTION not in self.options:
+        if not self.has_wide:
             return self
         layers = self.wide_layers
         if layers is None:

@@ -86,7 +86,7 @@ def self_written_tokens(
     seed: int = DEFAULT_SEED,
     temperature: float = DEFAULT_TEMPERATURE,
 ) -> mx.array:
-    """[n_streams, n_tokens] tokens the model samples itself (temperature 1) after seeded random start tokens.
+    """[n_streams, n_tokens] tokens the model samples itself (at `temperature`) after seeded random start tokens.
 
     The streams are one batch, so each step is one model call for all of them (generation itself is a loop
     over positions: each token depends on the previous one)."""

@@ -328,7 +328,10 @@ _ATTEND_BODY = """
 #   3. values: each thread owns 8 channels of every NSG-th token (its codes loaded at the start of the tile,
 #      so their latency overlaps phases 1-2) and accumulates weight × code, with the value's scale folded
 #      into the weight and its bias into one sum per row.
-# Registers stay low (no per-token key or value arrays), so more threadgroups are resident per processor.
+# No per-token key or value arrays in registers. Staging through registers (STAGE_LOAD/STAGE_STORE) needs 167
+# registers under nvcc for sm_90a with PF (173 without), against 101 when the loads went straight to shared
+# memory (benchmarks/kernel_resources.py); at TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
+# H200) that limits nothing: the grid sets the occupancy.
 # Template ints as above plus KB, VB (key and value bits) and PF (1: each tile loaded during the previous
 # tile's phases); CT divides GK and NT, NT/CT threads share a token
 # in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
