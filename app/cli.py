@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from app.commands import run_command  # loads the engine: only once a command runs (see above)
 
         return run_command(args, harness)
+    except BrokenPipeError:
+        # The reader went away (`velox levels | head`): not an error. Point stdout at devnull so the interpreter's
+        # final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as error:  # noqa: BLE001 - the one place that turns any bug into a line + a log entry
         logging.getLogger("app").exception("velox %s failed", args.command)
         print(f"error: {unexpected_error_line(error)}", file=sys.stderr)

@@ -129,6 +129,18 @@ class Plan:
 
 # ----- shared set-up ----------------------------------------------------------------------------------------
 
+def _weights_note() -> str:
+    """How engine.models.catalog.load_model holds the weights on this machine (recorded beside every run)."""
+    import mlx.core as mx
+
+    from engine.runtime.cpu.weights import prefer_fp32_weights
+
+    if prefer_fp32_weights():
+        return "weights dequantized to fp32 on the Linux CPU (engine.models.catalog.load_model)"
+    if mx.default_device() == mx.gpu:
+        return "quantized weights as stored, other parameters in the model's declared 16-bit dtype (GPU)"
+    return "quantized weights as stored, run by MLX's quantized kernels on the CPU (no fast BLAS)"
+
 
 class Context:
     """What every sub-benchmark needs: the plan, where to write, the model, its tokenizer, prose tokens."""
@@ -166,7 +178,7 @@ class Context:
         return {
             "name": info.name, "path": self.model_path, "layers": info.layers, "attention_heads": info.attention_heads,
             "kv_heads": info.kv_heads, "head_dim": info.head_dim, "quantization": info.quantization,
-            "note": "weights dequantized to fp32 on the Linux CPU (engine.models.catalog.load_model)",
+            "note": _weights_note(),
         }
 
     @property

@@ -211,9 +211,19 @@ def level_config(row: dict[str, Any]) -> KVCacheConfig:
     return replace(config, options={k: v for k, v in config.options.items() if k != "prefill_attention"})
 
 
-def measured_figures(row: dict[str, Any]) -> str:
-    """A level's figures as LEVEL_TABLE records them (and `velox levels` prints them) from its quality row."""
-    return (
+def measured_figures(row: dict[str, Any], use: dict[str, Any] | None = None) -> str:
+    """A level's figures as LEVEL_TABLE records them (and `velox levels` prints them) from its quality row and,
+    where measured, its verdicts on use (select_levels' `use` entry for it: needle recall against fp16's,
+    greedy match rate)."""
+    text = (
         f"ppl {100 * (row['ppl_ratio'] - 1):+.2f}% (±{100 * row['delta_nll_se']:.2f}) KL {row['mean_kl']:.4f} "
         f"top1 {100 * row['top1_agreement']:.1f}% ({row['scored_tokens']} scored tokens)"
     )
+    needle = (use or {}).get("needle", {})
+    if needle.get("measured"):
+        pooled = needle["by_group"]["all"]
+        text += f"; needle {0.0 - 100 * pooled['shortfall']:+.1f} points vs fp16 ({pooled['trials']} trials)"
+    agreement = (use or {}).get("agreement", {})
+    if agreement.get("measured"):
+        text += f"; greedy match {100 * agreement['match_rate']:.1f}%"
+    return text

@@ -45,39 +45,45 @@ from engine.planning.units import format_bytes
 # Rows run from the highest precision to the lowest; `recommend` relies on that order.
 #
 # The cache of each level is one KV cache spec (`KVCacheConfig.parse`, engine/kvcache/config.py); the last
-# column is what the committed sweep measured for it (`benchmarks.harness.levels.measured_figures` of its
-# quality row; `velox levels` prints it, and tests/test_bench.py checks it against the JSON).
+# column is what the committed runs measured for it (`benchmarks.harness.levels.measured_figures` of its
+# quality row and its needle and greedy-agreement verdicts; `velox levels` prints it, and tests/test_bench.py
+# checks it against the JSON).
 #
 #  key    label            KV cache spec         quality note    measured
 LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     ("16", "Off (16-bit)", "fp16:k16v16:g64", "uncompressed", "reference"),
     # Measured on SmolLM2 over 2 x 4096 tokens of prose (second halves scored): Δ NLL vs fp16 +0.0005,
     ("8", "8-bit", "kivi:k8v8:g64", "practically lossless",
-     "ppl +0.05% (±0.04) KL 0.0001 top1 99.4% (4094 scored tokens)"),
+     "ppl +0.05% (±0.04) KL 0.0001 top1 99.4% (4094 scored tokens); needle +0.0 points vs fp16 (80 trials); "
+     "greedy match 78.3%"),
     # 4 sink tokens kept in 16 bits and KIVI key blocks of 128 tokens (0.25 bits of key scales instead of 0.5),
     # values stored after the layer's randomized Hadamard rotation (rotate_values; output rotated back), and the
     # tenth of the layers that a calibration finds most sensitive one bit wider (wide=0.1; SmolLM2: layers 1, 10,
     # 18; the default model's calibration ships with Velox, any other model is calibrated once on first use, ~3
     # minutes on a 2-core CPU) at 4.49 bits: perplexity +1.67% on the sweep (KL 0.0121; without wide +2.25%, KL
     # 0.0191; the plain kivi:k4v4:g64 at 4.5 bits +3.1%; mlx-lm's Q4 +12.6%); held out +0.46% (±0.37) against
-    # +1.04% without wide, KL 0.0096 against 0.0136 (near_lossless_layerbits.json). Needle and greedy agreement
-    # are measured for the level without wide only (H200 needle 90.0 % against fp16's 93.8 %, 15 points short at
-    # 4k tokens; quality-use-h200.json), so BENCHMARKS.md marks the use targets as not shown for this level. The
-    # decode kernel reads the wide layers' 5-bit codes (H200 parity, decode-levels-h200-prefetch.json).
+    # +1.04% without wide, KL 0.0096 against 0.0136 (near_lossless_layerbits.json; on the H200's 16-bit model
+    # +0.84% against +1.80%, near_lossless_layerbits-h200.json). On use (H200, quality-use-h200.json): needle
+    # recall 92.5 % against fp16's 93.8 % (-1.2 ± 1.2 points; 1k/2k/4k/8k: +0/+0/-5/+0), greedy match rate
+    # 29.9 % against 19.0 % without wide. The decode kernel reads the wide layers' 5-bit codes (H200 parity,
+    # decode-levels-h200-prefetch.json).
     ("4", "4-bit", "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1", "small quality loss",
-     "ppl +1.67% (±0.31) KL 0.0121 top1 93.8% (4094 scored tokens)"),
+     "ppl +1.67% (±0.31) KL 0.0121 top1 93.8% (4094 scored tokens); needle -1.2 points vs fp16 (80 trials); "
+     "greedy match 29.9%"),
     # +7.4% at 3.49 bits with the tenth most sensitive layers one bit wider (wide=0.1; SmolLM2: layers 1, 9, 10),
     # against +9.9% without (the plain kivi:k3v3:g64: +14%); held out +5.82% against +7.20%
-    # (near_lossless_layerbits.json),
+    # (near_lossless_layerbits.json). Misses the use targets: needle recall 53.8 % against fp16's 93.8 % (H200,
+    # quality-use-h200.json; 46.3 % without wide).
     ("3", "3-bit", "kivi:k3v3:g64:s4:key_block=128:wide=0.1", "noticeable quality loss",
-     "ppl +7.41% (±0.71) KL 0.0602 top1 85.7% (4094 scored tokens)"),
+     "ppl +7.41% (±0.71) KL 0.0602 top1 85.7% (4094 scored tokens); needle -40.0 points vs fp16 (80 trials); "
+     "greedy match 12.6%"),
     # perplexity x2.2: nothing that attends on packed codes does well at 2.5 bits per value. Keys on Lloyd-Max
     # levels with rotated values (kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true) lose much less
     # (+41.5%, KL 0.340; held out +32.1% against +88.7%, near_lossless_lowbits.json) but are not eligible: without
     # a GPU kernel attention decodes the gridded keys every step (CPU: 3.2 against 8.1 tok/s at 4k tokens,
-    # cpu_decode_probe.json), and the tiled kernel's grid lookup has not run on a GPU yet.
+    # cpu_decode_probe.json); only the GPU's tiled kernel reads them on their codes (decode-levels-7dc5102-h200.json).
     ("2", "2-bit", "kivi:k2v2:g64:s4:key_block=128", "poor quality: answers may be wrong or garbled",
-     "ppl +121.78% (±3.68) KL 0.8258 top1 47.5% (4094 scored tokens)"),
+     "ppl +121.78% (±3.68) KL 0.8258 top1 47.5% (4094 scored tokens); greedy match 1.7%"),
 )
 
 # Where a level's budget of effective bits is counted (the level rule and `velox levels`): head_dim 128 and
