@@ -9,7 +9,10 @@ vocabulary 128256) built with mlx-lm's own llama class, its weights random and q
 of 64 with `nn.quantize` (like an mlx-community 4-bit model); everything runs in bfloat16. For each cache
 and context N, every layer's cache is filled with N random tokens through `update_and_fetch` in 4,096-token
 chunks (N untidy on purpose: 8k+1, 32k+1, 128k+1), then the median time of one whole-model decode step,
-`model(token, cache=caches)`, is measured (each step appends its token, as decoding does).
+`model(token, cache=caches)`, each evaluated before the next is recorded, is measured (each step appends its
+token, as decoding does); and, unless --no-generate, the tokens per second of mlx-lm's own decode loop over the
+same caches (`generate_step`, greedy: what mlx_lm.stream_generate, the app and `velox serve` run; it records
+the next step while the GPU runs the current one, so host and GPU time overlap).
 
 Beside each figure is the step's memory bound: (weight bytes + the bytes the caches hold) / read
 bandwidth, the bandwidth measured here with a large reduction; `bound_tok_s` is the speed a step reading
@@ -20,7 +23,8 @@ Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `m
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off. Rows:
-`spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, or `error` where it failed.
+`spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
+or `error` where it failed.
 
 `--shape tiny` swaps the 8B shape for a 2-layer llama (4 query / 2 kv heads, head_dim 64) and a 64 MiB
 bandwidth probe: seconds on a CPU, for checking the command end to end, not for figures. The module imports
@@ -195,6 +199,21 @@ def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) ->
     return sorted(times)
 
 
+def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int) -> float:
+    """Seconds per token of mlx-lm's own decode loop (`generate_step`, greedy) over the filled caches, after
+    `warmup` tokens: the loop mlx_lm.stream_generate and so the app and `velox serve` run, which records
+    step n+1 while the GPU runs step n (`mx.async_eval`), so host time and GPU time overlap there."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array([128], dtype=mx.int32)
+    marks = []
+    for _ in generate_step(prompt, model, max_tokens=warmup + steps + 1, prompt_cache=caches,
+                           sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)):
+        marks.append(time.perf_counter())  # each token is read back (.item()) before it is yielded
+    return (marks[-1] - marks[warmup]) / steps
+
+
 def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
     """A chunked prefill of `n_tokens` into fresh caches, timed on its second run: the first compiles the
     kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
@@ -323,6 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     parser.add_argument("--kernel-constants", default="",
                         help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"TILED_PREFETCH": false})')
+    parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time mlx-lm's own decode loop (generate_step, which overlaps host and GPU "
+                             "work as the app's does): gen_tok_s, gen_vs_fp16 (default: on)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
                         help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
 
@@ -387,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(json.dumps({**record, "rows": []}, indent=1) + "\n")
     rows: list[dict[str, Any]] = []
     reference: dict[int, float] = {}
+    reference_gen: dict[int, float] = {}
     for spec in specs:
         for context in contexts:
             row: dict[str, Any] = {"spec": spec, "context": context}
@@ -401,13 +424,21 @@ def run(args: argparse.Namespace) -> int:
                     "tok_s": 1 / median, "ms": median * 1000, "ms_min": times[0] * 1000, "ms_max": times[-1] * 1000,
                     "held_bytes": held, "bound_tok_s": bandwidth / (weights + held),
                 }
+                if args.generate:
+                    per_token = time_generate(model, caches, args.steps, args.warmup)
+                    row |= {"gen_tok_s": 1 / per_token, "gen_ms": per_token * 1000}
                 if spec == "fp16":
                     reference[context] = row["tok_s"]
+                    reference_gen[context] = row.get("gen_tok_s", 0.0)
                 if context in reference:
                     row["vs_fp16"] = row["tok_s"] / reference[context]
+                if reference_gen.get(context) and "gen_tok_s" in row:
+                    row["gen_vs_fp16"] = row["gen_tok_s"] / reference_gen[context]
+                generated = (f"; mlx-lm loop {row['gen_tok_s']:.1f} tok/s x{row.get('gen_vs_fp16', float('nan')):.2f}"
+                             if "gen_tok_s" in row else "")
                 print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s ({row['ms']:.2f} ms; bound "
                       f"{row['bound_tok_s']:.0f} tok/s; cache {held / 1e9:.2f} GB; "
-                      f"x{row.get('vs_fp16', float('nan')):.2f} fp16)", flush=True)
+                      f"x{row.get('vs_fp16', float('nan')):.2f} fp16{generated})", flush=True)
             except Exception as error:  # record what fails, e.g. a quantized_matmul shape without a kernel
                 row["error"] = _error_text(error)
                 print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)

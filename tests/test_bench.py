@@ -777,7 +777,8 @@ def test_velox_bench_decode_help_shows_decode_py_options() -> None:
     done = _velox("bench", "decode", "--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: velox bench decode")
-    for option in ("--out", "--contexts", "--specs", "--steps", "--warmup", "--prefill", "--profile", "--shape"):
+    for option in ("--out", "--contexts", "--specs", "--steps", "--warmup", "--prefill", "--profile", "--shape",
+                   "--generate"):
         assert option in done.stdout
     assert "--quick" not in done.stdout
 
@@ -803,6 +804,9 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         assert row["vs_fp16"] == pytest.approx(row["tok_s"] / rows["fp16"]["tok_s"])
         assert row["bound_tok_s"] == pytest.approx(record["read_bytes_per_second"]
                                                    / (record["weight_bytes"] + row["held_bytes"]))
+        # mlx-lm's own decode loop over the same caches, beside the one-step-at-a-time figure
+        assert row["gen_tok_s"] > 0 and row["gen_tok_s"] == pytest.approx(1000 / row["gen_ms"])
+        assert row["gen_vs_fp16"] == pytest.approx(row["gen_tok_s"] / rows["fp16"]["gen_tok_s"])
     assert rows["fp16"]["vs_fp16"] == 1.0
     assert rows["fp16"]["held_bytes"] >= fp16_bytes and rows["mlx-kv"]["held_bytes"] >= fp16_bytes
     assert 0 < rows["kivi:4:64"]["held_bytes"] < fp16_bytes / 2  # 4-bit codes and their scales
