@@ -1,7 +1,7 @@
 """Whole-model decode speed of every KV cache on a GPU: `velox bench decode`.
 
     velox bench decode --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
-                       [--steps 10] [--warmup 3] [--prefill 32768] [--shape 8b|tiny]
+                       [--steps 10] [--warmup 3] [--rounds 1] [--no-generate] [--prefill 32768] [--shape 8b|tiny]
     python benchmarks/decode.py ...   (the same, from a checkout without installing)
 
 A Llama-3.1-8B-shaped model (32 layers, 32 query / 8 kv heads, head_dim 128, hidden 4096, MLP 14336,
@@ -13,6 +13,10 @@ chunks (N untidy on purpose: 8k+1, 32k+1, 128k+1), then the median time of one w
 token, as decoding does); and, unless --no-generate, the tokens per second of mlx-lm's own decode loop over the
 same caches (`generate_step`, greedy: what mlx_lm.stream_generate, the app and `velox serve` run; it records
 the next step while the GPU runs the current one, so host and GPU time overlap).
+
+With --rounds N (N > 1) every cache of a context is filled at once and all are timed in turn N times: each
+row then holds its per-round steps and the median and range of its per-round ratios to fp16, so the ratio does not
+carry the drift between runs (one figure of the same code moved by 25 % between runs on the lent GPU).
 
 Beside each figure is the step's memory bound: (weight bytes + the bytes the caches hold) / read
 bandwidth, the bandwidth measured here with a large reduction; `bound_tok_s` is the speed a step reading
@@ -214,6 +218,67 @@ def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int) 
     return (marks[-1] - marks[warmup]) / steps
 
 
+def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: argparse.Namespace,
+                     shape: dict[str, Any], bandwidth: float, weights: int) -> list[dict[str, Any]]:
+    """--rounds N: every spec's caches filled to `context` at once, then N rounds each timing every spec in
+    turn, so the 16-bit reference and each cache are measured minutes, not a whole run, apart (on the lent GPU
+    one figure moved by 25 % between runs of the same code). Per spec: the median over rounds of each round's
+    median step, and `vs_fp16` the median of the per-round ratios to fp16's step, with their range."""
+    import mlx.core as mx
+
+    filled: dict[str, list[Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        rows[spec] = {"spec": spec, "context": context}
+        try:
+            filled[spec] = make_caches(spec, shape["layers"], shape)
+            fill(filled[spec], context, shape)
+            held = cache_bytes(filled[spec])
+            rows[spec] |= {"held_bytes": held, "bound_tok_s": bandwidth / (weights + held)}
+        except Exception as error:
+            rows[spec]["error"] = _error_text(error)
+            filled.pop(spec, None)
+    steps: dict[str, list[float]] = {spec: [] for spec in filled}
+    generated: dict[str, list[float]] = {spec: [] for spec in filled}
+    for _ in range(args.rounds):
+        for spec, caches in list(filled.items()):
+            try:
+                times = time_decode(model, caches, args.steps, args.warmup)
+                steps[spec].append(times[len(times) // 2])
+                if args.generate:
+                    generated[spec].append(time_generate(model, caches, args.steps, args.warmup))
+            except Exception as error:
+                rows[spec]["error"] = _error_text(error)
+                del filled[spec]
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    out = []
+    for spec, row in rows.items():
+        if "error" not in row:
+            row |= {"tok_s": 1 / median(steps[spec]), "ms": median(steps[spec]) * 1000,
+                    "rounds_ms": [t * 1000 for t in steps[spec]]}
+            if generated[spec]:
+                row |= {"gen_tok_s": 1 / median(generated[spec]), "gen_ms": median(generated[spec]) * 1000,
+                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]}
+            for key, series in (("vs_fp16", steps), ("gen_vs_fp16", generated)):
+                reference = series.get("fp16")
+                if reference and series[spec] and len(reference) == len(series[spec]):
+                    ratios = sorted(a / b for a, b in zip(reference, series[spec], strict=True))
+                    row[key], row[key + "_range"] = median(ratios), [ratios[0], ratios[-1]]
+            print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s, x{row.get('vs_fp16', float('nan')):.2f} fp16 "
+                  f"(rounds {', '.join(f'{t:.2f}' for t in row['rounds_ms'])} ms)"
+                  + (f"; mlx-lm loop x{row['gen_vs_fp16']:.2f}" if "gen_vs_fp16" in row else ""), flush=True)
+        else:
+            print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)
+        out.append(row)
+    del filled
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
 def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
     """A chunked prefill of `n_tokens` into fresh caches, timed on its second run: the first compiles the
     kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
@@ -342,6 +407,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     parser.add_argument("--kernel-constants", default="",
                         help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"TILED_PREFETCH": false})')
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="N > 1: fill every spec's caches at once per context, then time them in turn N times "
+                             "(ratios to fp16 per round; their median and range)")
     parser.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
                         help="also time mlx-lm's own decode loop (generate_step, which overlaps host and GPU "
                              "work as the app's does): gen_tok_s, gen_vs_fp16 (default: on)")
@@ -410,6 +478,12 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     reference: dict[int, float] = {}
     reference_gen: dict[int, float] = {}
+    if args.rounds > 1:
+        record["rounds"] = args.rounds
+        for context in contexts:
+            rows += interleaved_rows(model, specs, context, args, shape, bandwidth, weights)
+            out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
+        specs = []  # every row is made
     for spec in specs:
         for context in contexts:
             row: dict[str, Any] = {"spec": spec, "context": context}

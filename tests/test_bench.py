@@ -814,6 +814,25 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert failed["context"] == 257 and failed["error"].startswith("ConfigError: ") and "tok_s" not in failed
 
 
+def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> None:
+    """--rounds N: each cache's step is timed once per round (fp16 and the cache minutes apart, not a whole run),
+    and its ratio to fp16 is the median of the per-round ratios, with their range."""
+    out = tmp_path / "decode.json"
+    done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--contexts", "129",
+                  "--specs", "fp16,kivi:k4v4:g64", "--steps", "2", "--warmup", "1", "--rounds", "3", "--no-generate")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert record["rounds"] == 3
+    fp16, kivi = record["rows"]
+    assert [fp16["spec"], kivi["spec"]] == ["fp16", "kivi:k4v4:g64"]
+    for row in (fp16, kivi):
+        assert len(row["rounds_ms"]) == 3 and "gen_tok_s" not in row
+        assert row["ms"] == sorted(row["rounds_ms"])[1] and row["tok_s"] == pytest.approx(1000 / row["ms"])
+    ratios = sorted(a / b for a, b in zip(fp16["rounds_ms"], kivi["rounds_ms"], strict=True))
+    assert kivi["vs_fp16"] == pytest.approx(ratios[1]) and kivi["vs_fp16_range"] == pytest.approx([ratios[0], ratios[2]])
+    assert fp16["vs_fp16"] == 1.0
+
+
 def _decode_record(rows: list[dict]) -> dict:
     shape = {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256, "mlp": 512, "vocab": 512,
              "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16"}

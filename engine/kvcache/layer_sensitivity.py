@@ -4,8 +4,8 @@ A `wide=F` configuration stores floor(F × n_layers) layers with one more key an
 ones is decided here, once per model and spec, by the method the simulation of issue 12 validated
 (benchmarks/results/near_lossless_lowbits_experiments.json): a reference pass with 16-bit caches in every layer,
 then one pass per layer with that layer ALONE storing the spec at PROBE_BITS (2) bits and every other layer
-16-bit; a layer's sensitivity is the mean KL(reference || probe) of the next-token distributions over the second
-half of the tokens (those attend over compressed history). n_layers + 1 passes, batched over several token
+16-bit; a layer's sensitivity is the mean KL(reference || probe) of the next-token distributions over the chunks from
+the middle of the tokens on (those attend over compressed history). n_layers + 1 passes, batched over several token
 streams. The probe runs at 2 bits, not at the spec's own, because at 4 bits one layer's KL on a few thousand
 tokens is at the noise floor; at 2 bits every layer's error shows while the layout (groups, key blocks, value
 rotation) stays the spec's. On SmolLM2-135M the simulation picked layers 10, 18 and 1 this way (k2v2 on prose),
@@ -124,8 +124,8 @@ def layer_kl(
     chunk_tokens: int = CHUNK_TOKENS,
     progress: Progress | None = None,
 ) -> list[float]:
-    """Per layer, the mean KL(16-bit reference || that layer alone stored as `probe`) over the second half of
-    `tokens` ([streams, n] or [n]), fed `chunk_tokens` at a time."""
+    """Per layer, the mean KL(16-bit reference || that layer alone stored as `probe`) over the tokens of the
+    chunks that start at or after the middle of `tokens` ([streams, n] or [n]), fed `chunk_tokens` at a time."""
     # The builder imports this module: imported at call time.
     from engine.kvcache.builder import KVCacheBuilder
 
@@ -138,8 +138,8 @@ def layer_kl(
     probe = KVCacheBuilder(probe).for_model(model).config
     probe_class = get_method(probe.method)
     install_attention_dispatch()
-    score_from = n // 2
     starts = list(range(0, n, chunk_tokens))
+    score_from = min(start for start in starts if start >= n // 2)  # whole chunks are scored
     # The reference's log-probabilities of the scored chunks (float32: the KLs are small differences).
     reference_caches = reference_builder.build()
     reference: dict[int, mx.array] = {}
