@@ -120,6 +120,12 @@ class VeloxKVCache(_BaseCache):
         """Checks against the model itself (e.g. calibrated codebooks made for it); ConfigError if not."""
 
     @classmethod
+    def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:
+        """`config` with what it needs from `model` written into its options (e.g. KIVI's rope=pre: the
+        model's RoPE), so a saved or re-encoded cache needs no model; ConfigError where the model has none."""
+        return config
+
+    @classmethod
     def effective_bits_per_value(
         cls,
         config: KVCacheConfig,
@@ -418,6 +424,19 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """Only the keys of `_decode` (methods may override to skip decoding values)."""
         return self._decode(store)[0]
 
+    def _keys_by_position(self) -> bool:
+        """True where the stored keys depend on their positions beyond what the model gave (KIVI's rope=pre):
+        scores then need decoded keys (`_decode_keys_at`), never the packed codes."""
+        return False
+
+    def _decode_at(self, store: dict[str, mx.array], start: int) -> tuple[mx.array, mx.array]:
+        """`_decode` of a slice whose first token is compressed token `start` (its stream index)."""
+        return self._decode(store)
+
+    def _decode_keys_at(self, store: dict[str, mx.array], start: int) -> mx.array:
+        """`_decode_keys` of a slice whose first token is compressed token `start`."""
+        return self._decode_keys(store)
+
     def _decode_values(self, store: dict[str, mx.array]) -> mx.array:
         return self._decode(store)[1]
 
@@ -690,7 +709,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
         n_compressed = self._n_compressed
         store = self._compressed_view() if n_compressed else {}
-        dequantize = _attends_decoded(
+        dequantize = self._keys_by_position() or _attends_decoded(
             self.config.options.get("prefill_attention", DEFAULT_PREFILL_ATTENTION), repeats * n_queries
         )
 
@@ -716,7 +735,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if n_compressed and not dequantize:
             scores.append(self._compressed_scores(grouped, store).astype(compute_dtype))
         for start, end in blocks:
-            block_keys = self._decode_keys(self._slice_store(store, start, end)).astype(compute_dtype)
+            block_keys = self._decode_keys_at(self._slice_store(store, start, end), start).astype(compute_dtype)
             scores.append(grouped @ block_keys.swapaxes(-1, -2))
         if self.n_window:
             scores.append(grouped @ self._window_keys.astype(compute_dtype).swapaxes(-1, -2))
@@ -766,7 +785,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         keys: list[mx.array] = []
         values: list[mx.array] = []
         if self._n_compressed:
-            keys.append(self._decode_keys(store).astype(dtype))
+            keys.append(self._decode_keys_at(store, 0).astype(dtype))
             values.append(self._decode_values(store).astype(dtype))
         if self.n_window:
             keys.append(self._window_keys.astype(dtype))
@@ -925,7 +944,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         for start in range(0, self._n_compressed, chunk_tokens):
             end = min(start + chunk_tokens, self._n_compressed)
             assert self._store is not None
-            keys, values = self._decode(self._slice_store(self._store, start, end))
+            keys, values = self._decode_at(self._slice_store(self._store, start, end), start)
             yield self._keys_out(keys).astype(dtype), self._values_out(values).astype(dtype)
         if self.n_window:
             yield (

@@ -83,7 +83,9 @@ class KVCacheBuilder:
         per model and level; none where a calibration is cached or bundled)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
-        get_method(self.config.method).check_model(self.config, model)
+        method = get_method(self.config.method)
+        method.check_model(self.config, model)
+        self.config = method.resolve_for_model(self.config, model).validate(self.shape.head_dim)
         if self.config.wide_fraction is not None and self.config.wide_layers is None:
             # Loaded only when asked for (it imports this module).
             from engine.kvcache.layer_sensitivity import calibrated_wide_layers, prose_calibration_tokens

@@ -37,6 +37,11 @@ Method options in use (each method's `check_config` says which it reads):
                                  the syntax reads unquoted), e.g. wide=0.1:wide_layers=L1.10.18. The builder
                                  writes it after calibrating, so a validated config names its layers; given,
                                  it replaces the calibration (its count must be floor(F × n_layers))
+      rope=pre                   kivi: the compressed keys are stored before RoPE (turned back by their
+                                 positions on entry, forward again when decoded; engine/kvcache/quant/rope.py),
+                                 e.g. kivi:k3v3:g64:s4:key_block=128:rope=pre. The builder writes the model's
+                                 RoPE beside it (rope_dims=N:rope_base=F:rope_scale=F:rope_traditional=B), so a
+                                 saved or re-encoded cache needs no model; a model without plain RoPE is refused
       kernels=auto|require|off   compressed methods: the GPU decode kernels (engine/kvcache/kernels)
       prefill_attention=NAME     compressed methods: how several query tokens attend (fused, auto, ...)
 

@@ -62,6 +62,16 @@ names them in option `wide_layers=L1.10.18`. Each layer's cache holds its own pl
 layers. Simulated on SmolLM2-135M (benchmarks/results/near_lossless_lowbits_experiments.json): layers 1, 10 and
 18 of 30 at k5v5 took the 4-bit level from +1.04% to +0.46% perplexity on held-out prose, at 4.49 bits.
 
+Option `rope=pre` stores the keys of the compressed blocks before RoPE (KVQuant): RoPE turns each channel pair by
+an angle that grows with the position, so over a block a channel's range becomes its pair's larger one; turned
+back by their positions (`quant/rope.py`) each channel keeps its own range. The builder writes the model's RoPE
+into the spec (`rope_dims`, `rope_base`, `rope_scale`, `rope_traditional`) so a saved or re-encoded cache needs no
+model; decoded keys are turned forward again by their positions on every path (prefill, dense export, trim).
+Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.quantized_matmul` and, so far, no
+decode kernel applies RoPE to packed keys, so attention decodes the compressed keys every step: not yet a level.
+Probe on SmolLM2-135M, held out (BENCHMARKS.md round 5): the wide 4-bit level's KL 0.0096 -> 0.0071 (2k
+windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated values +2.60% (+5.82% without both).
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -71,7 +81,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
@@ -90,11 +101,16 @@ from engine.kvcache.methods.affine import (
     check_channel_groups,
 )
 from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize, grid_table
+from engine.kvcache.quant.rope import RopeParameters, model_rope
 from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
 KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+
+# Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it.
+ROPE_OPTION = "rope"
+ROPE_PARAMETERS = ("rope_dims", "rope_base", "rope_scale", "rope_traditional")
 
 
 # Fractions of a group's half-range kept about its midpoint, tried by clip_search (1.0: plain min..max).
@@ -162,6 +178,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
     _value_rotation: Rotation | PlainHadamard | None = None
+    # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None.
+    _rope: RopeParameters | None = None
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
@@ -197,7 +215,63 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 f"Method 'kivi' needs a key block (group size, or option key_block) of 32, 64 or 128 tokens, "
                 f"not {block}."
             )
+        cls.check_rope(config, head_dim)
         cls.check_wide(config, head_dim)
+
+    @classmethod
+    def check_rope(cls, config: KVCacheConfig, head_dim: int) -> None:
+        """Option rope=pre, and the model's RoPE beside it once the builder has written it (all or none)."""
+        options = config.options
+        rope = options.get(ROPE_OPTION)
+        given = [name for name in ROPE_PARAMETERS if name in options]
+        if rope is None:
+            if given:
+                raise ConfigError(f"Method 'kivi' takes {given[0]} only with rope=pre.")
+            return
+        if rope != "pre":
+            raise ConfigError("Method 'kivi' takes rope=pre (keys stored before RoPE) or no rope option.")
+        if not given:
+            return  # KVCacheBuilder.for_model writes the model's RoPE (resolve_for_model)
+        if len(given) != len(ROPE_PARAMETERS):
+            missing = [name for name in ROPE_PARAMETERS if name not in options]
+            raise ConfigError(f"Method 'kivi' with rope=pre takes all of {', '.join(ROPE_PARAMETERS)}; "
+                              f"{', '.join(missing)} missing.")
+        dims, base, scale = options["rope_dims"], options["rope_base"], options["rope_scale"]
+        if isinstance(dims, bool) or not isinstance(dims, int) or dims <= 0 or dims % 2 or dims > head_dim:
+            raise ConfigError(f"rope_dims must be an even number of channels up to head_dim {head_dim}, not {dims!r}.")
+        for name, value in (("rope_base", base), ("rope_scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number, not {value!r}.")
+        if not isinstance(options["rope_traditional"], bool):
+            raise ConfigError("rope_traditional must be true or false.")
+
+    @classmethod
+    def rope_parameters(cls, config: KVCacheConfig) -> RopeParameters | None:
+        """The RoPE the compressed keys are stored before (option rope=pre with the model's RoPE written in)."""
+        options = config.options
+        if options.get(ROPE_OPTION) != "pre" or "rope_dims" not in options:
+            return None
+        return RopeParameters(int(options["rope_dims"]), float(options["rope_base"]),
+                              float(options["rope_scale"]), bool(options["rope_traditional"]))
+
+    @classmethod
+    def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:
+        if config.options.get(ROPE_OPTION) != "pre":
+            return config
+        rope = model_rope(model)
+        written = cls.rope_parameters(config)
+        if written is not None:
+            if written != rope:
+                raise ConfigError(f"This KV cache stores keys before the RoPE {written}; the model's is {rope}.")
+            return config
+        return replace(config, options={**config.options, "rope_dims": rope.dims, "rope_base": rope.base,
+                                        "rope_scale": rope.scale, "rope_traditional": rope.traditional})
+
+    @classmethod
+    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
+        if config.options.get(ROPE_OPTION) == "pre":
+            return "the decode kernel does not turn keys stored before RoPE (rope=pre) by their positions yet"
+        return None
 
     @classmethod
     def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:
@@ -243,6 +317,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     @classmethod
     def decodes_history_without_kernel(cls, config: KVCacheConfig) -> str | None:
+        if config.options.get(ROPE_OPTION) == "pre":
+            return "keys stored before RoPE (rope=pre) must be turned by their positions: attention decodes them"
         if cls.grid_of(config, "key") is not None or cls.grid_of(config, "value") is not None:
             # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.2 tok/s against 8.1 for plain 2-bit KIVI
             # (benchmarks/results/cpu_decode_probe.json).
@@ -264,6 +340,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
     ) -> None:
         super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
+        self._rope = self.rope_parameters(self.config)
+        if self._rope is None and self.config.options.get(ROPE_OPTION) == "pre":
+            raise ConfigError("A KIVI cache with rope=pre needs the model's RoPE in its spec: build it with "
+                              "KVCacheBuilder(config).for_model(model).")
         if self.config.options.get("rotate_values") == "plain":
             self._value_rotation = PlainHadamard(v_head_dim)
         elif self.rotates_values(self.config):
@@ -303,6 +383,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         group_size = self.config.group_size
         quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
+        if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
+            keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         keys_transposed = keys.swapaxes(-1, -2)
         return {
@@ -351,6 +433,21 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             store, "key", self.token_block, self.config.key_bits, float32_scales=True
         )
         return keys_transposed.swapaxes(-1, -2)
+
+    # Compressed token i is at position i: KIVI keeps the sinks' copies in its stream (`sinks_in_stream`), so
+    # the stream starts at position 0.
+    def _keys_by_position(self) -> bool:
+        return self._rope is not None
+
+    def _decode_at(self, store: dict[str, mx.array], start: int) -> tuple[mx.array, mx.array]:
+        keys, values = self._decode(store)
+        if self._rope is not None:
+            keys = self._rope.rotate(keys, start).astype(keys.dtype)
+        return keys, values
+
+    def _decode_keys_at(self, store: dict[str, mx.array], start: int) -> mx.array:
+        keys = self._decode_keys(store)
+        return keys if self._rope is None else self._rope.rotate(keys, start)
 
     def _decode_values(self, store: dict[str, mx.array]) -> mx.array:
         values = self._grid_decode(store, "value")
@@ -460,7 +557,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             assert self._store is not None and self.n_window == 0
             block_start = self._n_compressed - partial
             # The whole block is still in the buffer (trimming only lowered the count): decode it.
-            keys, values = self._decode(self._slice_store(self._store, block_start, block_start + group_size))
+            keys, values = self._decode_at(
+                self._slice_store(self._store, block_start, block_start + group_size), block_start)
             self._window_keys = keys[..., :partial, :]
             self._window_values = values[..., :partial, :]
             self._n_compressed = block_start
@@ -493,7 +591,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         for start in range(0, self._n_compressed, span):
             end = min(start + span, self._n_compressed)
             assert self._store is not None
-            keys, values = self._decode(self._slice_store(self._store, start, end))
+            keys, values = self._decode_at(self._slice_store(self._store, start, end), start)
             for piece in range(0, end - start, chunk_tokens):
                 yield (
                     keys[..., piece : piece + chunk_tokens, :].astype(dtype),
