@@ -75,9 +75,10 @@ class KVCacheBuilder:
         self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None,
         progress: Callable[[str, float], None] | None = None,
     ) -> KVCacheBuilder:
-        """Validate for `model`. A `wide=F` config that does not name its layers gets them here from the
-        layer-sensitivity calibration (cached on disk), so `self.config` names them (`wide_layers`) and
-        re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
+        """Validate for `model`; what the config needs from the model is written into it (the method's
+        `resolve_for_model`: KIVI's rope=pre gets the model's RoPE). A `wide=F` config that does not name
+        its layers gets them here from the layer-sensitivity calibration (cached on disk), so `self.config`
+        names them (`wide_layers`) and re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
         the bundled prose; else text the model writes itself (which ranks SmolLM2's layers worse: see
         layer_sensitivity's module doc). `progress(message, fraction)` hears of a calibration that runs (once
         per model and level; none where a calibration is cached or bundled)."""
