@@ -87,6 +87,7 @@ PAIRS = (
     ("kivi 3", Codec("kivi_keys", 3), Codec("affine", 3), 64, 128),
     ("kivi 2", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
     ("kivi 2, key grid", Codec("kivi_keys", 2, grid=True), Codec("affine", 2), 64, 128),
+    ("kivi 4, keys before RoPE", Codec("kivi_keys", 4), Codec("affine", 4), 64, -128),  # key block < 0: ROPE
     ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
     ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
@@ -94,15 +95,18 @@ PAIRS = (
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int) -> str:
+    rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
+    key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.bits),
-                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1), ("CS", 4), ("NS", 4),
-                ("HW", 1), ("TD", "bfloat16")]
+                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1),
+                ("ROPE", int(rope)), ("TRAD", 0), ("CS", 4), ("NS", 4), ("HW", 1), ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
-             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32"}
+             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",
+             "rfreq": "float32"}
     for prefix, codec in (("k", key), ("v", value)):
         for slot in range(codec.slots):
             codes = slot == 0 or (codec.kind == "rvq" and slot == 3)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import engine.kvcache.kernels as kernels
+from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.emulate import EMULATE, compiler
@@ -126,6 +127,51 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
                 assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
             error = float(mx.max(mx.abs(out - ref)))
             assert error <= 2e-3, (spec, tiled, prefetch, max_tile, tokens, error)
+
+
+ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_traditional={}"
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", [
+    "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:" + ROPE_SPEC.format("false"),
+    "kivi:k3v3:g64:s4:key_block=128:" + ROPE_SPEC.format("true"),
+    "kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:" + ROPE_SPEC.format("false"),
+])
+def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str) -> None:
+    """KIVI's rope=pre: the tiled pass decodes each key pair and turns it by its position (ROPE = 1) and matches
+    the reference path, which decodes the keys and applies mx.fast.rope; positions run past several key blocks
+    and splits (1,200 tokens)."""
+    from engine.kvcache.kernels import decode
+
+    for tokens in (200, 301, 1200):
+        cache = _filled(spec, tokens, 128, 4, seed=tokens)
+        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
+        out = cache.attention(queries, None, None, scale=0.088, mask=None)
+        ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+        plan = cache._decode_plan(4)
+        assert plan is not None and ("ROPE", 1) in plan.template
+        assert ("TRAD", int("traditional=true" in spec)) in plan.template
+        if tokens == 1200:
+            assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
+        error = float(mx.max(mx.abs(out - ref)))
+        assert error <= 2e-3, (spec, tokens, error)
+
+
+@pytest.mark.usefixtures("emulated")
+def test_rope_kernel_waits_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend not yet in ROPE_BACKENDS (CUDA and Metal until their parity run) declines the kernel for a
+    rope=pre cache: with kernels=require that is an error saying why, with auto the reference path runs."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setattr(decode, "ROPE_BACKENDS", ())
+    cache = _filled("kivi:k4v4:g64:s4:key_block=128:" + ROPE_SPEC.format("false"), 300, 128, 4, seed=1)
+    queries = mx.zeros((1, 4 * N_KV, 1, 128))
+    with pytest.raises(ConfigError, match="parity"):
+        cache.attention(queries, None, None, scale=0.088, mask=None)
+    automatic = _reference_of(cache)
+    automatic.config = replace(cache.config, options={**cache.config.options, "kernels": "auto"})
+    assert automatic._decode_plan(4) is None
 
 
 @pytest.mark.usefixtures("emulated")

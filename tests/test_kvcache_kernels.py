@@ -154,10 +154,13 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
                                 {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
-    units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine) | {"kgrid": mx.float32, "vgrid": mx.float32},
-                            {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                            {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "KGRID": 1, "PF": 1,
-                             "VGRID": 0, "CS": 4, "NS": 4, "HW": 1, "TD": mx.bfloat16}))
+    for rope in (0, 1):  # keys as given; keys stored before RoPE (KIVI's rope=pre)
+        units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine)
+                                | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32},
+                                {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "KGRID": 1,
+                                 "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "CS": 4, "NS": 4, "HW": 1,
+                                 "TD": mx.bfloat16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "ROT": 1,
                                                    "TO": mx.bfloat16}))

@@ -107,11 +107,12 @@ def test_mlx_lm_generate_runs_unchanged() -> None:
     assert len(text.split()) == 8 and caches[0].n_compressed == 128
 
 
-def test_not_a_level_until_a_kernel_turns_the_keys() -> None:
-    """No decode kernel and no quantized_matmul applies RoPE to packed keys: the level rule leaves it out."""
+def test_not_a_level_while_the_cpu_decodes_its_keys() -> None:
+    """No quantized_matmul applies RoPE to packed keys, so without the GPU kernel attention decodes them: the
+    level rule leaves the option out (the tiled kernel's variant: tests/test_kvcache_kernel_emulation.py)."""
     kivi = get_method("kivi")
     config = KVCacheConfig.parse(PRE)
-    assert "rope=pre" in kivi.kernel_declines(config)
+    assert kivi.kernel_declines(config) is None
     assert "rope=pre" in kivi.decodes_history_without_kernel(config)
 
 

@@ -412,6 +412,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """Tokens per key scale block the decode kernel reads (KIVI's key block; others: the group size)."""
         return self.config.group_size
 
+    def _kernel_rope(self) -> tuple[mx.array, bool] | None:
+        """Keys stored before RoPE: (each channel pair's angle per position, traditional pairing) for the
+        decode kernel to turn them by; None where keys are stored as given."""
+        return None
+
+    def _kernel_declines_here(self) -> str | None:
+        """Why the decode kernel cannot read this cache on this device although the config has a variant
+        (e.g. a variant not yet verified on the device's backend); None: it can."""
+        return None
+
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         """weights [B, n_kv, R, n_compressed] · compressed values -> [B, n_kv, R, Dv]."""
         raise NotImplementedError
@@ -812,7 +822,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codecs = self._kernel_codecs()
         if codecs is None:
             return f"method {self.method_name!r} has no decode kernel"
-        declined = self.kernel_declines(self.config)
+        declined = self.kernel_declines(self.config) or self._kernel_declines_here()
         if declined is not None:
             return declined
         if not (codecs[0].supported and codecs[2].supported):
@@ -872,7 +882,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             key_codec, key_arrays, value_codec, value_arrays = codecs
             plan = _kernels.plan_decode(
                 key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
-                self._k_head_dim, rows, backend, self._kernel_key_block(),
+                self._k_head_dim, rows, backend, self._kernel_key_block(), rope=self._kernel_rope(),
             )
         if self._store is not None:  # "nothing compressed yet" is rechecked until something is
             self._plan_cache = (self._store, self.config, rows, device, plan)

@@ -364,6 +364,8 @@ _TILED_BODY = """
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
   SHARED float sh_qs[D * R];         // queries x the tile's key scales
   SHARED float sh_kb[D];             // the tile's key biases
+  SHARED float sh_ks[D];             // ... and scales (ROPE: each key is decoded and turned by its position)
+  SHARED float sh_rf[D / 2];         // ROPE: each channel pair's angle per position (MLX's, see RopeParameters)
   SHARED U32 sh_kw[D * KW + 1];      // the tile's key codes, one row of KW words per channel
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
@@ -381,6 +383,7 @@ _TILED_BODY = """
   SHARED float sh_kgrid[16];
   SHARED float sh_vgrid[16];
   if (TID < 16) { sh_kgrid[TID] = kgrid[TID]; sh_vgrid[TID] = vgrid[TID]; }
+  if (ROPE) for (int i = TID; i < D / 2; i += NT) sh_rf[i] = rfreq[i];
 
   const int lane = TID % TPT;
   const int tg = TID / TPT;
@@ -440,6 +443,7 @@ _TILED_BODY = """
       const int d = TID + j * NT; \
       if (d < D) { \
         sh_kb[d] = st_kb[j]; \
+        sh_ks[d] = st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * st_ks[j]; \
       } \
     } \
@@ -466,15 +470,43 @@ _TILED_BODY = """
       const int bit = t1 * KB;
       const int w = bit >> 5;
       const int sh = bit & 31;
-      // Unrolled by 2 only: a full unroll hoists the shared loads of many channels (128 registers, against
-      // 101 here for D = 128, R = 4; fewer registers, more resident threadgroups).
-#pragma unroll 2
-      for (int d = half * DH; d < half * DH + DH; ++d) {
-        U32 code = sh_kw[d * KW + w] >> sh;
-        if (sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
-        const float x = KGRID ? sh_kgrid[code & ((1u << KB) - 1u)] : U2F(code & ((1u << KB) - 1u));
+      if (ROPE) {
+        // Keys stored before RoPE (KIVI's rope=pre): token t1 sits at position base + t1 (the stream starts at
+        // position 0); each pair of its channels [half*D/2/HALVES, ...) is decoded, turned by position x the
+        // pair's angle, and met by the query. The keys' bias is inside the decoded key (no per-tile fold).
+        const float position = (float)(base + t1);
+        constexpr int PH = D / 2 / HALVES;
+        for (int j = half * PH; j < half * PH + PH; ++j) {
+          const int a = TRAD ? 2 * j : j;
+          const int b = TRAD ? 2 * j + 1 : j + D / 2;
+          U32 code_a = sh_kw[a * KW + w] >> sh;
+          U32 code_b = sh_kw[b * KW + w] >> sh;
+          if (sh + KB > 32) {
+            code_a |= sh_kw[a * KW + w + 1] << (32 - sh);
+            code_b |= sh_kw[b * KW + w + 1] << (32 - sh);
+          }
+          code_a &= (1u << KB) - 1u;
+          code_b &= (1u << KB) - 1u;
+          const float ka = sh_ks[a] * (KGRID ? sh_kgrid[code_a] : U2F(code_a)) + sh_kb[a];
+          const float kb = sh_ks[b] * (KGRID ? sh_kgrid[code_b] : U2F(code_b)) + sh_kb[b];
+          float sn, cs;
+          SINCOS(position * sh_rf[j], sn, cs);
+          const float ra = ka * cs - kb * sn;
+          const float rb = ka * sn + kb * cs;
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
+          for (int r = 0; r < R; ++r) acc[r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
+        }
+      } else {
+        // Unrolled by 2 only: a full unroll hoists the shared loads of many channels (128 registers, against
+        // 101 here for D = 128, R = 4; fewer registers, more resident threadgroups).
+#pragma unroll 2
+        for (int d = half * DH; d < half * DH + DH; ++d) {
+          U32 code = sh_kw[d * KW + w] >> sh;
+          if (sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
+          const float x = KGRID ? sh_kgrid[code & ((1u << KB) - 1u)] : U2F(code & ((1u << KB) - 1u));
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
+        }
       }
       for (int r = 0; r < R; ++r) sh_s[(half * R + r) * CT + t1] = acc[r];
     } else {
@@ -498,7 +530,7 @@ _TILED_BODY = """
     const int wl = TID % 32;
     for (int r = wid; r < R; r += NW) {
       float qb = 0.0f;
-      if (!dense) {
+      if (!dense && !ROPE) {
         for (int d = wl; d < D; d += 32) qb += sh_q[d * R + r] * sh_kb[d];
         for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
       }
@@ -722,6 +754,11 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
     )
 
 
+# Backends where the tiled pass turns keys stored before RoPE (ROPE = 1; KIVI's rope=pre). The CPU emulator checks
+# it against the reference in the tests; CUDA and Metal join once it has passed the parity tests on a GPU (until
+# then a rope=pre cache attends through the reference path there, decoding its keys).
+ROPE_BACKENDS: tuple[str, ...] = ("emulate",)
+
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
@@ -732,7 +769,7 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid",
+        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq",
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -855,20 +892,26 @@ def plan_decode(
     rows: int,
     backend: str,
     key_block: int | None = None,
+    rope: tuple[mx.array, bool] | None = None,
 ) -> DecodePlan:
-    """The DecodePlan of one cache (the caller checked `tile_tokens` is not None)."""
+    """The DecodePlan of one cache (the caller checked `tile_tokens` is not None). `rope`: keys stored before
+    RoPE (KIVI's rope=pre, full rotary), as (each channel pair's angle per position, float32 [D/2];
+    traditional pairing), which only the tiled pass turns (the caller checked `tiled_tile`)."""
     threads = threads_for(head_dim)
     tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block)
     arrays = (*key_arrays, *value_arrays)
+    if rope is not None and tiled is None:
+        raise ValueError("Only the tiled decode pass turns keys stored before RoPE.")
     if tiled is not None:
         tile = tiled
         source = tiled_source()
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
-                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)))
-        # codes, scales, biases of each role, then the two grids (a placeholder where a role has none)
+                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
+                    ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])))
+        # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
-                  value_arrays[3] if value_codec.grid else _no_grid())
+                  value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0])
     else:
         tile = tile_tokens(key_codec, group_size, head_dim, key_block)
         assert tile is not None

@@ -143,6 +143,7 @@ inline float u2f(uint32_t c) {
 #define THREAD
 #define INLINE inline
 #define U2F(c) emu::u2f(c)
+#define SINCOS(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 """
 
 _PRELUDE = """

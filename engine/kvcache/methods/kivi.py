@@ -67,8 +67,11 @@ an angle that grows with the position, so over a block a channel's range becomes
 back by their positions (`quant/rope.py`) each channel keeps its own range. The builder writes the model's RoPE
 into the spec (`rope_dims`, `rope_base`, `rope_scale`, `rope_traditional`) so a saved or re-encoded cache needs no
 model; decoded keys are turned forward again by their positions on every path (prefill, dense export, trim).
-Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.quantized_matmul` and, so far, no
-decode kernel applies RoPE to packed keys, so attention decodes the compressed keys every step: not yet a level.
+Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.quantized_matmul` applies RoPE to
+packed keys, so without a GPU kernel attention decodes the compressed keys every step (not a level on that
+account); the tiled decode pass has the variant (template ROPE: each key pair decoded and turned by its position),
+checked against the reference in the CPU emulator, and enabled per backend once it passes the GPU parity tests
+(`kernels/decode.py`, ROPE_BACKENDS).
 Probe on SmolLM2-135M, held out (BENCHMARKS.md round 5): the wide 4-bit level's KL 0.0096 -> 0.0071 (2k
 windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated values +2.60% (+5.82% without both).
 
@@ -87,6 +90,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
 from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig, parse_wide_layers
 from engine.kvcache.kernels import Codec
@@ -178,8 +182,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
     _value_rotation: Rotation | PlainHadamard | None = None
-    # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None.
+    # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None; its
+    # angles per position for the decode kernel, made on the first kernel plan.
     _rope: RopeParameters | None = None
+    _rope_frequencies: mx.array | None = None
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
@@ -267,10 +273,24 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return replace(config, options={**config.options, "rope_dims": rope.dims, "rope_base": rope.base,
                                         "rope_scale": rope.scale, "rope_traditional": rope.traditional})
 
-    @classmethod
-    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
-        if config.options.get(ROPE_OPTION) == "pre":
-            return "the decode kernel does not turn keys stored before RoPE (rope=pre) by their positions yet"
+    def _kernel_rope(self) -> tuple[mx.array, bool] | None:
+        if self._rope is None:
+            return None
+        if self._rope_frequencies is None:
+            self._rope_frequencies = self._rope.frequencies()
+        return self._rope_frequencies, self._rope.traditional
+
+    def _kernel_declines_here(self) -> str | None:
+        if self._rope is None:
+            return None
+        if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
+            return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
+        if self._rope.dims != self._k_head_dim:
+            return f"the decode kernel turns keys over all channels, not rope_dims {self._rope.dims} of {self._k_head_dim}"
+        key_codec, _, value_codec, _ = self._kernel_codecs()
+        if _kernels.decode.tiled_tile(key_codec, value_codec, self.config.group_size, self._k_head_dim,
+                                      self._kernel_key_block()) is None:
+            return "only the tiled decode pass turns keys stored before RoPE, and it has no tile for this layout"
         return None
 
     @classmethod

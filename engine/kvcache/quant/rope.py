@@ -38,6 +38,18 @@ class RopeParameters:
         return mx.fast.rope(x.astype(mx.float32), self.dims, traditional=self.traditional, base=self.base,
                             scale=scale, offset=offset)
 
+    def frequencies(self) -> mx.array:
+        """Each channel pair's angle per position (float32 [dims/2]), read off mx.fast.rope itself at position 1
+        (so a kernel computing position x angle turns keys as MLX's RoPE did when they were turned back)."""
+        half = self.dims // 2
+        first = mx.arange(half) * 2 if self.traditional else mx.arange(half)
+        second = first + 1 if self.traditional else first + half
+        unit = (mx.arange(self.dims)[None, :] == first[:, None]).astype(mx.float32)  # pair j's first channel
+        turned = self.rotate(unit[:, None, None, :], 1)[:, 0, 0, :]  # [pair, channel] at position 1
+        cosine = mx.take_along_axis(turned, first[:, None], axis=-1)[:, 0]
+        sine = mx.take_along_axis(turned, second[:, None], axis=-1)[:, 0]
+        return mx.arctan2(sine, cosine)
+
 
 def _attention_modules(model: Any) -> list[Any]:
     layers = getattr(model, "layers", None)
