@@ -283,6 +283,30 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("tokens", (1000, 8193, 33000))
+def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's rope=pre through the tiled pass on this GPU (its backend let into decode.ROPE_BACKENDS for the
+    test) against the reference path in float32, which decodes the keys and turns them with mx.fast.rope on the
+    same device (no quantized_matmul is involved, so it can run there): the parity run that decides whether the
+    backend joins ROPE_BACKENDS. Positions up to 33k, where float32 angles are coarsest."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setattr(decode, "ROPE_BACKENDS", (*decode.ROPE_BACKENDS, available_backend()))
+    options = {"key_block": 128, "rotate_values": True, "rope": "pre", "rope_dims": 128, "rope_base": 500000.0,
+               "rope_scale": 1.0, "rope_traditional": traditional}
+    fused = _filled("kivi", 4, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, options=options, seed=tokens)
+    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
+    out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
+    plan = fused._decode_plan(4)
+    assert plan is not None and ("ROPE", 1) in plan.template and ("TRAD", int(traditional)) in plan.template
+    ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
+    error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
+    assert np.isfinite(error) and error <= 2e-3, f"rope=pre traditional={traditional} tokens={tokens}: {error}"
+
+
+@needs_gpu
 def test_decode_kernel_short_caches_and_sinks_only() -> None:
     """1 token, sinks only, window only, few compressed tokens."""
     for method in ("affine", "kivi", "turboquant"):
