@@ -86,7 +86,9 @@ class KVCacheBuilder:
         self.config = self.config.validate(self.shape.head_dim)
         method = get_method(self.config.method)
         method.check_model(self.config, model)
-        self.config = method.resolve_for_model(self.config, model).validate(self.shape.head_dim)
+        resolved = method.resolve_for_model(self.config, model)
+        if resolved is not self.config:  # only what the model added needs checking again
+            self.config = resolved.validate(self.shape.head_dim)
         if self.config.wide_fraction is not None and self.config.wide_layers is None:
             # Loaded only when asked for (it imports this module).
             from engine.kvcache.layer_sensitivity import calibrated_wide_layers, prose_calibration_tokens

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import astuple, fields, replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -112,9 +112,10 @@ from engine.kvcache.registry import register_method
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
 KEY_PARTS = ("key_codes", "key_scales", "key_biases")
 
-# Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it.
+# Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
+# option per RopeParameters field, in its order.
 ROPE_OPTION = "rope"
-ROPE_PARAMETERS = ("rope_dims", "rope_base", "rope_scale", "rope_traditional")
+ROPE_PARAMETERS = tuple(f"rope_{field.name}" for field in fields(RopeParameters))
 
 
 # Fractions of a group's half-range kept about its midpoint, tried by clip_search (1.0: plain min..max).
@@ -182,10 +183,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     # The values' rotation (option rotate_values), or None; set by `_setup` once head_dim is known.
     _value_rotation: Rotation | PlainHadamard | None = None
-    # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None; its
-    # angles per position for the decode kernel, made on the first kernel plan.
+    # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None.
     _rope: RopeParameters | None = None
-    _rope_frequencies: mx.array | None = None
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
@@ -257,8 +256,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         options = config.options
         if options.get(ROPE_OPTION) != "pre" or "rope_dims" not in options:
             return None
-        return RopeParameters(int(options["rope_dims"]), float(options["rope_base"]),
-                              float(options["rope_scale"]), bool(options["rope_traditional"]))
+        dims, base, scale, traditional = (options[name] for name in ROPE_PARAMETERS)
+        return RopeParameters(int(dims), float(base), float(scale), bool(traditional))
 
     @classmethod
     def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:
@@ -270,15 +269,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             if written != rope:
                 raise ConfigError(f"This KV cache stores keys before the RoPE {written}; the model's is {rope}.")
             return config
-        return replace(config, options={**config.options, "rope_dims": rope.dims, "rope_base": rope.base,
-                                        "rope_scale": rope.scale, "rope_traditional": rope.traditional})
+        return replace(config, options={**config.options, **dict(zip(ROPE_PARAMETERS, astuple(rope), strict=True))})
 
     def _kernel_rope(self) -> tuple[mx.array, bool] | None:
-        if self._rope is None:
-            return None
-        if self._rope_frequencies is None:
-            self._rope_frequencies = self._rope.frequencies()
-        return self._rope_frequencies, self._rope.traditional
+        return None if self._rope is None else (self._rope.frequencies(), self._rope.traditional)
 
     def _kernel_declines_here(self) -> str | None:
         if self._rope is None:

@@ -13,6 +13,7 @@ RoPE variants) are refused with a clear error rather than guessed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,8 @@ from engine.errors import ConfigError
 @dataclass(frozen=True)
 class RopeParameters:
     """mx.fast.rope's arguments: the leading `dims` channels rotate; `traditional` pairs (2i, 2i+1) instead
-    of (i, i + dims/2); position p turns pair i by p · scale · base^(-2i/dims)."""
+    of (i, i + dims/2); position p turns pair i by p · scale · base^(-2i/dims). (KIVI's spec options
+    rope_dims, rope_base, rope_scale, rope_traditional hold these fields in this order.)"""
 
     dims: int
     base: float
@@ -38,6 +40,7 @@ class RopeParameters:
         return mx.fast.rope(x.astype(mx.float32), self.dims, traditional=self.traditional, base=self.base,
                             scale=scale, offset=offset)
 
+    @functools.cache  # noqa: B019 - frozen and hashable; one small array per RoPE, shared by every layer's cache
     def frequencies(self) -> mx.array:
         """Each channel pair's angle per position (float32 [dims/2]), read off mx.fast.rope itself at position 1
         (so a kernel computing position x angle turns keys as MLX's RoPE did when they were turned back)."""
