@@ -137,6 +137,8 @@ ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_tradit
     "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:" + ROPE_SPEC.format("false"),
     "kivi:k3v3:g64:s4:key_block=128:" + ROPE_SPEC.format("true"),
     "kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:" + ROPE_SPEC.format("false"),
+    # rope_scale 64: angles up to ~77,000 rad at 1,200 tokens, as at ~77,000 positions (many whole turns to reduce)
+    "kivi:k4v4:g64:s4:key_block=128:" + ROPE_SPEC.format("false").replace("rope_scale=1.0", "rope_scale=64.0"),
 ])
 def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str) -> None:
     """KIVI's rope=pre: the tiled pass decodes each key pair and turns it by its position (ROPE = 1) and matches
@@ -160,7 +162,7 @@ def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str) 
 
 @pytest.mark.usefixtures("emulated")
 def test_rope_kernel_waits_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backend not yet in ROPE_BACKENDS (CUDA and Metal until their parity run) declines the kernel for a
+    """A backend not in ROPE_BACKENDS (one whose GPU parity run has not passed) declines the kernel for a
     rope=pre cache: with kernels=require that is an error saying why, with auto the reference path runs."""
     from engine.kvcache.kernels import decode
 

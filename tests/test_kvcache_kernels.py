@@ -288,9 +288,9 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
 def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's rope=pre through the tiled pass on this GPU (its backend let into decode.ROPE_BACKENDS for the
-    test) against the reference path in float32, which decodes the keys and turns them with mx.fast.rope on the
-    same device (no quantized_matmul is involved, so it can run there): the parity run that decides whether the
-    backend joins ROPE_BACKENDS. Positions up to 33k, where float32 angles are coarsest."""
+    test, in case it is not there yet) against the reference path in float32, which decodes the keys and turns
+    them with mx.fast.rope on the same device (no quantized_matmul is involved, so it can run there): the parity
+    run behind a backend's place in ROPE_BACKENDS. Positions up to 33k, where float32 angles are coarsest."""
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "ROPE_BACKENDS", (*decode.ROPE_BACKENDS, available_backend()))

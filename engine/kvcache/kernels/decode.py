@@ -489,8 +489,14 @@ _TILED_BODY = """
           code_b &= (1u << KB) - 1u;
           const float ka = sh_ks[a] * (KGRID ? sh_kgrid[code_a] : U2F(code_a)) + sh_kb[a];
           const float kb = sh_ks[b] * (KGRID ? sh_kgrid[code_b] : U2F(code_b)) + sh_kb[b];
+          // The angle as MLX's RoPE computes it (float32 position x frequency), reduced to [-pi, pi] by whole
+          // turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast sine and cosine serve: a
+          // full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad (long contexts).
+          const float angle = position * sh_rf[j];
+          const float turns = RINT(angle * 0.159154943091895f);
+          const float reduced = FMA(-turns, -1.7484555314695172e-07f, FMA(-turns, 6.2831854820251465f, angle));
           float sn, cs;
-          SINCOS(position * sh_rf[j], sn, cs);
+          SINCOS_PI(reduced, sn, cs);
           const float ra = ka * cs - kb * sn;
           const float rb = ka * sn + kb * cs;
 #pragma unroll
@@ -754,10 +760,14 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
     )
 
 
-# Backends where the tiled pass turns keys stored before RoPE (ROPE = 1; KIVI's rope=pre). The CPU emulator checks
-# it against the reference in the tests; CUDA and Metal join once it has passed the parity tests on a GPU (until
-# then a rope=pre cache attends through the reference path there, decoding its keys).
-ROPE_BACKENDS: tuple[str, ...] = ("emulate",)
+# Backends where the tiled pass turns keys stored before RoPE (ROPE = 1; KIVI's rope=pre); elsewhere a rope=pre
+# cache attends through the reference path, decoding its keys. The CPU emulator checks it against the reference in
+# the tests; CUDA passed the GPU parity tests on the lent H200 (tests/test_kvcache_kernels.py, positions up to 33k,
+# traditional and not), where it decodes as fast as the same cache with keys after RoPE at 8k and 32k tokens and
+# ~7 % slower at 131k (benchmarks/results/decode-rope-fastsincos-h200.json). Metal runs the same body; its only
+# text of its own is the prelude's SINCOS_PI, RINT and FMA (MSL's precise sin/cos, rint, fma), as with every other
+# kernel here it is enabled by construction, not by a measurement (no Mac here: the GPU parity test runs on one).
+ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).

@@ -143,7 +143,9 @@ inline float u2f(uint32_t c) {
 #define THREAD
 #define INLINE inline
 #define U2F(c) emu::u2f(c)
-#define SINCOS(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
+#define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
+#define RINT(x) rintf(x)
+#define FMA(a, b, c) fmaf((a), (b), (c))
 """
 
 _PRELUDE = """
