@@ -149,3 +149,51 @@ def test_a_model_without_plain_rope_is_refused() -> None:
         layer.self_attn.rope = Shifted()
     with pytest.raises(ConfigError, match="plain RoPE"):
         KVCacheBuilder(KVCacheConfig.parse(PRE)).for_model(model)
+
+
+AUTO = "kivi:k4v4:g64:s4:key_block=64:rotate_values=true:wide=0.5:wide_layers=L1:rope=auto"
+
+
+def _resolved(spec: str, model=None) -> KVCacheConfig:
+    return KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model or _model()).config
+
+
+def test_rope_auto_keeps_keys_as_given_where_no_kernel_turns_them() -> None:
+    """On the CPU (no kernel backend) rope=auto resolves to the plain cache: the same config as without the
+    option, so nothing decodes the history; it never counts as decoding it."""
+    assert _resolved(AUTO) == _resolved(AUTO.replace(":rope=auto", ""))
+    assert get_method("kivi").decodes_history_without_kernel(KVCacheConfig.parse(AUTO)) is None
+    assert "no GPU decode kernel" in get_method("kivi").rope_pre_declines(KVCacheConfig.parse(AUTO), _model())
+
+
+def test_rope_auto_stores_keys_before_rope_where_the_kernel_turns_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the decode kernel turns keys (here the CPU emulator standing in for a GPU backend) rope=auto is
+    rope=pre with the model's RoPE written in, for the widened layers' bits too; with kernels off, a RoPE over
+    part of the channels or another position scheme it falls back to keys as given, without an error."""
+    from engine.kvcache import kernels
+
+    monkeypatch.setattr(kernels, "available_backend", lambda: "emulate")
+    assert _resolved(AUTO) == _resolved(AUTO.replace("rope=auto", "rope=pre"))
+    assert get_method("kivi").rope_parameters(_resolved(AUTO)) == RopeParameters(64, 10000.0, 1.0, False)
+    plain = AUTO.replace(":rope=auto", "")
+    assert _resolved(AUTO + ":kernels=off") == _resolved(plain + ":kernels=off")
+    partial = _model()
+    for layer in partial.layers:
+        layer.self_attn.rope.dims = 32
+    assert _resolved(AUTO, partial) == _resolved(plain, partial)
+
+    class Shifted:  # some other position scheme
+        def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+            return x
+
+    other = _model()
+    for layer in other.layers:
+        layer.self_attn.rope = Shifted()
+    assert _resolved(AUTO, other) == _resolved(plain, other)
+    monkeypatch.setattr(kernels.decode, "ROPE_BACKENDS", ())
+    assert _resolved(AUTO) == _resolved(plain)
+
+
+def test_rope_auto_takes_no_rope_parameters() -> None:
+    with pytest.raises(ConfigError, match="only with rope=pre"):
+        KVCacheConfig.parse("kivi:k4v4:g64:rope=auto:rope_dims=64").validate(64)

@@ -42,6 +42,8 @@ Method options in use (each method's `check_config` says which it reads):
                                  e.g. kivi:k3v3:g64:s4:key_block=128:rope=pre. The builder writes the model's
                                  RoPE beside it (rope_dims=N:rope_base=F:rope_scale=F:rope_traditional=B), so a
                                  saved or re-encoded cache needs no model; a model without plain RoPE is refused
+      rope=auto                  kivi: rope=pre where a GPU decode kernel turns the keys, keys as given elsewhere
+                                 (no error); the builder resolves it for the model and the device
       kernels=auto|require|off   compressed methods: the GPU decode kernels (engine/kvcache/kernels)
       prefill_attention=NAME     compressed methods: how several query tokens attend (fused, auto, ...)
 

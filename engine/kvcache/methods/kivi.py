@@ -71,7 +71,10 @@ Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.q
 packed keys, so without a GPU kernel attention decodes the compressed keys every step (not a level on that
 account); the tiled decode pass has the variant (template ROPE: each key pair decoded and turned by its position),
 checked against the reference in the CPU emulator and on the H200 (`kernels/decode.py`, ROPE_BACKENDS: CUDA and
-Metal), where it costs no decode speed at 8k and 32k tokens and ~7 % at 131k.
+Metal), where it costs no decode speed at 8k and 32k tokens and ~7 % at 131k. Option `rope=auto` asks for
+keys before RoPE only where that kernel will turn them (`rope_pre_declines`: a GPU backend in ROPE_BACKENDS,
+kernels not off, a plain full-width RoPE, a tile for the layout) and keys as given elsewhere; the builder resolves
+it for the model and device, so a built cache's spec says rope=pre or nothing.
 Probe on SmolLM2-135M, held out (BENCHMARKS.md round 5): the wide 4-bit level's KL 0.0096 -> 0.0071 (2k
 windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated values +2.60% (+5.82% without both).
 
@@ -115,6 +118,9 @@ KEY_PARTS = ("key_codes", "key_scales", "key_biases")
 # Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
 # option per RopeParameters field, in its order.
 ROPE_OPTION = "rope"
+# rope=auto: keys before RoPE where the decode kernel turns them (`rope_pre_declines`), as given elsewhere; the
+# builder resolves it for the model and device (to rope=pre with the RoPE written in, or no rope option).
+ROPE_AUTO = "auto"
 ROPE_PARAMETERS = tuple(f"rope_{field.name}" for field in fields(RopeParameters))
 
 
@@ -229,12 +235,13 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         options = config.options
         rope = options.get(ROPE_OPTION)
         given = [name for name in ROPE_PARAMETERS if name in options]
-        if rope is None:
+        if rope is None or rope == ROPE_AUTO:
             if given:
                 raise ConfigError(f"Method 'kivi' takes {given[0]} only with rope=pre.")
             return
         if rope != "pre":
-            raise ConfigError("Method 'kivi' takes rope=pre (keys stored before RoPE) or no rope option.")
+            raise ConfigError("Method 'kivi' takes rope=pre (keys stored before RoPE), rope=auto (before RoPE where a "
+                              "GPU decode kernel turns them, as given elsewhere) or no rope option.")
         if not given:
             return  # KVCacheBuilder.for_model writes the model's RoPE (resolve_for_model)
         if len(given) != len(ROPE_PARAMETERS):
@@ -260,7 +267,43 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return RopeParameters(int(dims), float(base), float(scale), bool(traditional))
 
     @classmethod
+    def rope_pre_declines(cls, config: KVCacheConfig, model: Any) -> str | None:
+        """Why `rope=auto` keeps the keys as the model gives them for `config` on `model` here (None: it stores
+        them before RoPE): only where the decode kernel will turn them (a GPU backend in ROPE_BACKENDS, kernels
+        not off, the model's plain RoPE over every channel, a tiled-pass tile for every layer's bits); anywhere
+        else keys before RoPE would make every decode step decode the whole history."""
+        if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
+            return "kernels are off"
+        backend = _kernels.available_backend()
+        if backend not in _kernels.decode.ROPE_BACKENDS:
+            return f"no GPU decode kernel turns keys on the default device ({mx.default_device()})"
+        try:
+            rope = model_rope(model)
+        except ConfigError as error:
+            return str(error)
+        # The builder imports the methods: imported at call time.
+        from engine.kvcache.builder import model_shape
+
+        head_dim = model_shape(model).head_dim
+        if rope.dims != head_dim:
+            return f"the model's RoPE turns {rope.dims} of {head_dim} channels; the decode kernel turns all"
+        if not (_kernels.decode.head_dim_supported(head_dim) and _kernels.decode.group_supported(config.group_size)):
+            return f"the decode kernel has no variant for head_dim {head_dim} and group size {config.group_size}"
+        key_grid, value_grid = cls.grid_of(config, "key"), cls.grid_of(config, "value")
+        extra = 1 if config.wide_fraction is not None else 0
+        for more in range(extra + 1):  # the widened layers' codes too
+            key = Codec("kivi_keys", config.key_bits + more, grid=key_grid is not None)
+            value = Codec("affine", config.value_bits + more, grid=value_grid is not None)
+            if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config)) is None:
+                return f"the tiled decode pass has no tile for {key.bits}-bit keys and {value.bits}-bit values here"
+        return None
+
+    @classmethod
     def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:
+        if config.options.get(ROPE_OPTION) == ROPE_AUTO:
+            if cls.rope_pre_declines(config, model) is not None:
+                return replace(config, options={k: v for k, v in config.options.items() if k != ROPE_OPTION})
+            config = replace(config, options={**config.options, ROPE_OPTION: "pre"})
         if config.options.get(ROPE_OPTION) != "pre":
             return config
         rope = model_rope(model)
