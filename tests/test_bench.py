@@ -221,7 +221,9 @@ def test_default_spec_lists_are_valid_for_the_default_model() -> None:
 
 
 def test_level_specs_follow_the_level_table() -> None:
+    """The sweep runs each level as the rule chose it: LEVEL_TABLE's spec without the options it takes on a GPU."""
     from benchmarks.harness.cli import level_specs
+    from benchmarks.harness.levels import DEVICE_OPTIONS
     from engine.planning.recommend import LEVELS
 
     specs = level_specs()
@@ -229,7 +231,9 @@ def test_level_specs_follow_the_level_table() -> None:
     assert len(specs) == len(compressed)
     for text, level in zip(specs, compressed, strict=True):
         spec = parse_spec(text)
-        assert spec.config == replace(level.config, options={**level.config.options, "prefill_attention": "auto"})
+        chosen = {k: v for k, v in level.config.options.items() if DEVICE_OPTIONS.get(k) != v}
+        assert spec.config == replace(level.config, options={**chosen, "prefill_attention": "auto"})
+    assert any("rope" in level.config.options for level in compressed)  # the table does carry device options
 
 
 # ----- quality bookkeeping ------------------------------------------------------------------------------------
@@ -698,7 +702,12 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     """engine.planning.recommend.LEVEL_TABLE must be what the rule picks from benchmarks/results/quality.json
     (KL) and the committed needle and agreement runs."""
     from benchmarks.harness.common import ROOT
-    from benchmarks.harness.levels import level_config, measured_figures, select_levels
+    from benchmarks.harness.levels import (
+        level_config,
+        measured_figures,
+        select_levels,
+        without_device_options,
+    )
     from benchmarks.harness.report import load_results
     from engine.planning.recommend import level_by_key
 
@@ -709,7 +718,7 @@ def test_level_table_follows_the_committed_quality_sweep() -> None:
     chosen = select_levels(rows, needle.data["needle"], agreement.data["agreement"])
     assert set(chosen) == {"8", "4", "3", "2"}
     for key, choice in chosen.items():
-        assert level_by_key(key).config == level_config(choice["row"]), key
+        assert without_device_options(level_by_key(key).config) == level_config(choice["row"]), key
         use = choice["use"].get(choice["row"]["spec"])
         assert level_by_key(key).measured == measured_figures(choice["row"], use), key  # what `velox levels` prints
 

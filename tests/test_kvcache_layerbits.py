@@ -274,20 +274,31 @@ def test_smollm2_calibrated_layers_at_the_4_bit_level(smollm, tmp_path: Path, mo
     assert bundled["kl"] == pytest.approx(json.loads(measured.read_text())["kl"], rel=1e-3, abs=1e-6)
 
 
-@pytest.mark.parametrize(("level", "layers"), [(LEVEL_4, (1, 10, 18)), ("kivi:k3v3:g64:s4:key_block=128", (1, 9, 10))])
-def test_the_default_model_needs_no_calibration_run(smollm, level: str, layers: tuple[int, ...], tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize(("key", "layers"), [("4", (1, 10, 18)), ("3", (1, 9, 10))])
+def test_the_default_model_needs_no_calibration_run(smollm, key: str, layers: tuple[int, ...], gpu: bool,
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Velox ships the default model's calibrations for the wide levels: building one measures nothing (the
-    measuring function fails if called) and writes nothing to the data folder."""
+    measuring function fails if called) and writes nothing to the data folder; so also where a GPU kernel turns
+    keys (the CPU emulator stands in for it) and the level's rope=auto stores them before RoPE: the same layers
+    widen on every device."""
+    from engine.kvcache import kernels
+    from engine.planning.recommend import level_by_key
+
     monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path))
+    if gpu:
+        monkeypatch.setattr(kernels, "available_backend", lambda: "emulate")
 
     def measure(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the bundled calibration was not used")
 
     monkeypatch.setattr(sensitivity, "layer_kl", measure)
     model, tokenizer, _ = smollm
-    config = KVCacheBuilder(KVCacheConfig.parse(f"{level}:wide=0.1")).for_model(model, tokenizer=tokenizer).config
+    level = level_by_key(key).config
+    assert level.wide_fraction == 0.1 and level.options.get("rope") == "auto"
+    config = KVCacheBuilder(level).for_model(model, tokenizer=tokenizer).config
     assert config.wide_layers == layers
+    assert (config.options.get("rope") == "pre") == gpu
     assert not list(tmp_path.rglob("layer_sensitivity-*.json"))
 
 

@@ -197,3 +197,39 @@ def test_rope_auto_stores_keys_before_rope_where_the_kernel_turns_them(monkeypat
 def test_rope_auto_takes_no_rope_parameters() -> None:
     with pytest.raises(ConfigError, match="only with rope=pre"):
         KVCacheConfig.parse("kivi:k4v4:g64:rope=auto:rope_dims=64").validate(64)
+
+
+def test_each_level_with_rope_auto_is_the_rules_cache_where_no_kernel_runs() -> None:
+    """LEVEL_TABLE writes rope=auto beside the rule's choice (benchmarks.harness.levels.DEVICE_OPTIONS): on the CPU
+    every level builds exactly the cache the rule chose and the sweep measured."""
+    from benchmarks.harness.levels import without_device_options
+    from engine.planning.recommend import LEVELS
+
+    model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, n_layers=10)
+    carrying = [level for level in LEVELS if level.config.options.get("rope") == "auto"]
+    assert [level.key for level in carrying] == ["4", "3", "2"]
+    for level in carrying:
+        config = level.config
+        if config.wide_fraction is not None:
+            config = config.with_wide_layers((1,))  # a tiny model: no calibration
+        built = KVCacheBuilder(config).for_model(model).config
+        assert built == KVCacheBuilder(without_device_options(config)).for_model(model).config, level.key
+        assert "rope" not in built.options
+
+
+def test_a_held_cache_re_encodes_into_keys_before_rope_and_back() -> None:
+    """The live level switch (reencode_caches) into a rope=pre cache turns the held keys back by their positions:
+    at 8 bits the keys come back as the plain cache held them; and back out again."""
+    from engine.kvcache import reencode_caches
+
+    model = _model()
+    plain = KVCacheBuilder(KVCacheConfig.parse(PRE.replace(":rope=pre", ""))).for_model(model).build()
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=5)
+    for cache in plain:
+        filled(cache, keys, values, chunk=41)
+    pre_config = KVCacheBuilder(KVCacheConfig.parse(PRE)).for_model(model).config
+    pre = reencode_caches(plain, pre_config, 64)
+    assert pre[0].config == pre_config.for_layer(0) and pre[0].offset == 300
+    assert relative_error(pre[0].to_dense()[0], plain[0].to_dense()[0]) < 5e-3
+    back = reencode_caches(pre, plain[0].config, 64)
+    assert relative_error(back[1].to_dense()[0], plain[1].to_dense()[0]) < 1e-2

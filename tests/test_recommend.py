@@ -182,7 +182,8 @@ def test_levels_make_valid_configs() -> None:
         assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
     assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64, sink_tokens=4,
-                                                     options={"key_block": 128, "rotate_values": True, "wide": 0.1})
+                                                     options={"key_block": 128, "rope": "auto", "rotate_values": True,
+                                                              "wide": 0.1})
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 

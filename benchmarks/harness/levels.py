@@ -54,11 +54,27 @@ REFERENCE_KV_HEADS = 8
 _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
 
+# Options a level carries beyond the rule's choice. They build the very cache the rule chose wherever no GPU decode
+# kernel runs (the CPU, where the quality sweep runs: tests/test_recommend.py builds each level both ways) and change
+# it only where one does, so LEVEL_TABLE writes them while the rule, the sweep and the report compare levels without
+# them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; its GPU figures for the 4-, 3- and
+# 2-bit levels are BENCHMARKS.md's round 6 (needle, greedy agreement, decode speed on the H200).
+DEVICE_OPTIONS: dict[str, object] = {"rope": "auto"}
+
+
+def without_device_options(config: KVCacheConfig) -> KVCacheConfig:
+    """`config` without the DEVICE_OPTIONS it carries: the cache the level rule chose and the sweep measured."""
+    kept = {k: v for k, v in config.options.items() if not (k in DEVICE_OPTIONS and v == DEVICE_OPTIONS[k])}
+    return replace(config, options=kept)
+
+
 def level_specs() -> list[str]:
-    """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider)."""
+    """The spec of every compressed level of engine.planning.recommend.LEVEL_TABLE (the app's slider), as the
+    rule chose it (without DEVICE_OPTIONS: the sweep's runs measure these)."""
     from engine.planning.recommend import LEVELS
 
-    return [str(level.config) for level in LEVELS if level.config.method not in ("fp16", "fp32")]
+    return [str(without_device_options(level.config)) for level in LEVELS
+            if level.config.method not in ("fp16", "fp32")]
 
 
 def budget_bits(spec_text: str) -> float:

@@ -68,8 +68,13 @@ Progress = Callable[[str, float], None]
 
 
 def probe_config(config: KVCacheConfig) -> KVCacheConfig:
-    """The spec one layer stores during calibration: `config` without `wide`, at PROBE_BITS bits."""
-    return replace(config.without_wide(), key_bits=PROBE_BITS, value_bits=PROBE_BITS)
+    """The spec one layer stores during calibration: `config` without `wide`, at PROBE_BITS bits, and with keys as
+    the model gives them (no rope option: KIVI's rope=auto stores them before RoPE only on a GPU, and a level must
+    widen the same layers on every device; on SmolLM2 a probe with keys before RoPE ranked the same three layers
+    first, 1, 10 and 18: benchmarks/results/prerope_option_heldout.json)."""
+    plain = config.without_wide()
+    unturned = {k: v for k, v in plain.options.items() if k != "rope" and not k.startswith("rope_")}
+    return replace(plain, key_bits=PROBE_BITS, value_bits=PROBE_BITS, options=unturned)
 
 
 def prose_calibration_tokens(tokenizer: Any) -> list[int]:

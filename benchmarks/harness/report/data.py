@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.common import log
-from benchmarks.harness.levels import REFERENCE_HEAD_DIM, budget_bits, eligible, level_specs
+from benchmarks.harness.levels import (
+    REFERENCE_HEAD_DIM,
+    budget_bits,
+    eligible,
+    level_specs,
+    without_device_options,
+)
 from benchmarks.harness.specs import CacheSpec, parse_spec, read_result_spec, same_cache
 from engine.errors import ConfigError
 from engine.kvcache import get_method
@@ -199,9 +205,11 @@ def level_matches(spec: str, level: Any) -> bool:
         return False
     if config.method in DENSE:
         return True
-    # The whole configuration (sinks and method options too), without the harness's prefill setting.
+    # The whole configuration (sinks and method options too), without the harness's prefill setting, against the
+    # level as the rule chose it (without the options it takes on a GPU: levels.DEVICE_OPTIONS).
     built = parsed.velox_config().validate(REFERENCE_HEAD_DIM)
-    return replace(built, options={k: v for k, v in built.options.items() if k != "prefill_attention"}) == config
+    plain = replace(built, options={k: v for k, v in built.options.items() if k != "prefill_attention"})
+    return plain == without_device_options(config)
 
 
 def app_levels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
