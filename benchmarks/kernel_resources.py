@@ -1,6 +1,12 @@
 """Compile the CUDA decode kernels offline with nvcc and print each one's registers, spills and shared memory.
 
     python benchmarks/kernel_resources.py [--arch sm_90a] [--head-dim 128] [--rows 4] [--show NAME]
+                                          [--instructions] [--out FILE]
+
+With --instructions (needs `cuobjdump`, on PATH or from the wheel `pip install nvidia-cuda-cuobjdump`) it also
+counts the machine instructions (SASS) of the tiled pass's tile loop, per stretch between its barriers: staging,
+phase 1 (scores; its channel loop's body and trip count beside it), phase 2 (softmax), phase 3 (values). Static
+counts of straight-line code are what every thread executes per tile; a GPU run still decides speed.
 
 No GPU is needed, only a CUDA toolkit (`nvcc` on PATH). Each kernel is wrapped exactly as MLX's
 `mx.fast.cuda_kernel` wraps a body (mlx/backend/cuda/custom_kernel.cpp: pointer arguments per input,
@@ -13,6 +19,7 @@ occupancy (threads resident per multiprocessor) the kernel can reach.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -59,8 +66,9 @@ def wrap(source: KernelSource, input_types: dict[str, str], output_types: dict[s
                                      for name, value in template], _SHIM)
 
 
-def compile_resources(unit: str, arch: str) -> dict[str, int | str]:
-    """ptxas -v figures of one translation unit: registers, spill stores/loads (bytes), shared memory."""
+def compile_resources(unit: str, arch: str, sass: list[str] | None = None) -> dict[str, int | str]:
+    """ptxas -v figures of one translation unit: registers, spill stores/loads (bytes), shared memory; with
+    `sass` (a list), the cubin's disassembly lines are appended to it (cuobjdump -sass)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cu"
         path.write_text(unit)
@@ -69,6 +77,10 @@ def compile_resources(unit: str, arch: str) -> dict[str, int | str]:
              "--std=c++17", str(path)],
             capture_output=True, text=True,
         )
+        if sass is not None and not result.returncode:
+            dump = subprocess.run([cuobjdump(), "-sass", str(Path(tmp) / "kernel.cubin")], capture_output=True,
+                                  text=True, check=True)
+            sass.extend(dump.stdout.splitlines())
     log = result.stdout + result.stderr
     if result.returncode:
         return {"error": log[-3000:]}
@@ -79,6 +91,48 @@ def compile_resources(unit: str, arch: str) -> dict[str, int | str]:
         found = re.search(pattern, log)
         figures[key] = int(found.group(1)) if found else 0
     return figures
+
+
+def cuobjdump() -> str:
+    """cuobjdump on PATH, else the one of the `nvidia-cuda-cuobjdump` wheel in this Python."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia  # the wheel installs nvidia/cu*/bin/cuobjdump
+    except ImportError:
+        sys.exit("--instructions needs cuobjdump: a CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`.")
+    for root in map(Path, nvidia.__path__):
+        for candidate in sorted(root.glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    sys.exit("--instructions needs cuobjdump: a CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`.")
+
+
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
+
+
+def tile_loop_counts(sass: list[str]) -> dict[str, int]:
+    """Instruction counts of the tiled pass's tile loop (first barrier to the branch back to it), per stretch
+    between barriers, and the size of phase 1's inner loop (the first backward branch inside its stretch)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass) if m]
+    barriers = [at for at, text in code if text.startswith("BAR.SYNC")]
+    if len(barriers) < 4:
+        return {}
+    start = barriers[0]
+    back = [at for at, text in code if (b := _BRANCH.search(text)) and int(b.group(1), 16) == start]
+    end = back[0] if back else barriers[-1]
+    inside = [at for at in barriers if start <= at <= end] + [end + 16]
+    names = ("staging", "phase 1", "phase 2", "phase 3")
+    counts = {name: sum(1 for at, _ in code if lo <= at < hi)
+              for name, lo, hi in zip(names, inside, inside[1:], strict=False)}
+    lo, hi = inside[1], inside[2]
+    for at, text in code:
+        b = _BRANCH.search(text)
+        if lo <= at < hi and b and lo <= int(b.group(1), 16) < at:
+            counts["phase 1 loop body"] = sum(1 for a, _ in code if int(b.group(1), 16) <= a <= at)
+            break
+    return counts
 
 
 # (label, key codec, value codec, group size, key block): the pairs the methods hand the decode kernel.
@@ -121,6 +175,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4, help="query heads per kv head (GQA)")
     parser.add_argument("--show", help="print the translation unit of the pair whose label starts with this")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count the tiled pass's SASS instructions per phase (needs cuobjdump)")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
@@ -128,11 +185,21 @@ def main() -> None:
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
                                 [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),
                                  ("MAXS", 256), ("ROT", 1), ("TO", "bfloat16")])))
+    rows = []
     for label, unit in units:
         if args.show and label.startswith(args.show):
             print(unit)
-        figures = compile_resources(unit, args.arch)
+        sass: list[str] | None = [] if args.instructions and "tiled" in unit.split("__global__ void ")[1][:40] else None
+        figures = compile_resources(unit, args.arch, sass)
+        if sass:
+            figures["tile loop"] = tile_loop_counts(sass)
         print(f"{label:28s} {figures}")
+        rows.append({"kernel": label, **figures})
+    if args.out:
+        record = {"schema": "velox-bench/1", "kind": "kernel-resources", "arch": args.arch, "head_dim": args.head_dim,
+                  "rows_per_kv_head": args.rows, "command": " ".join(["python benchmarks/kernel_resources.py",
+                                                                      *sys.argv[1:]]), "kernels": rows}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

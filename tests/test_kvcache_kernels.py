@@ -382,3 +382,17 @@ def test_ruler_reuses_one_slice_per_count() -> None:
     assert ruler(301).shape == (302,)
     grown = ruler(200_000)
     assert grown.shape == (200_001,) and ruler(300) is not first and ruler(300).shape == (301,)
+
+
+def test_tile_loop_counts_split_the_loop_at_its_barriers() -> None:
+    """benchmarks/kernel_resources.py --instructions: the tile loop runs from the first barrier to the branch back
+    to it; each stretch between barriers is counted, and phase 1's inner loop by its backward branch."""
+    from benchmarks.kernel_resources import tile_loop_counts
+
+    program = ["MOV R1, R2", "BAR.SYNC.DEFER_BLOCKING 0x0", "LDS R3, [R4]", "BAR.SYNC.DEFER_BLOCKING 0x0",
+               "IADD3 R5, R5, 0x1, RZ", "FFMA R6, R7, R8, R6", "@!P0 BRA 0x40", "STS [R9], R6",
+               "BAR.SYNC.DEFER_BLOCKING 0x0", "FMUL R1, R1, R2", "BAR.SYNC.DEFER_BLOCKING 0x0", "FFMA R1, R2, R3, R1",
+               "@P1 BRA 0x10", "EXIT"]
+    sass = [f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(program)]
+    assert tile_loop_counts(sass) == {"staging": 2, "phase 1": 5, "phase 2": 2, "phase 3": 3, "phase 1 loop body": 3}
+    assert tile_loop_counts(sass[:3]) == {}

@@ -73,7 +73,8 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # DEVICE_OPTIONS): where a GPU decode kernel turns keys (CUDA, Metal) they are stored before RoPE; elsewhere
     # (the CPU, where every figure of the last column was measured except the needle's and greedy's) the level is
     # exactly the rule's cache. Here on the H200: needle recall 95.0 % against fp16's 93.8 %, greedy match 26.2 %
-    # (quality-use-rope-h200.json), held out KL 0.0073 against 0.0096 (CPU, prerope_option_heldout.json), decode
+    # (quality-use-rope-h200.json), held out KL 0.0073 against 0.0096 (CPU, prerope_option_heldout.json) and on
+    # 8k-token windows +0.53% (±0.16) against +1.13% (±0.22), KL 0.0071 against 0.0108 (CPU, near_lossless_rope_8k.json), decode
     # 0.83x/0.71x/0.56x of fp16 at 8k/32k/131k against 0.83x/0.71x/0.60x (decode-rope-fastsincos-h200.json).
     ("4", "4-bit", "kivi:k4v4:g64:s4:key_block=128:rope=auto:rotate_values=true:wide=0.1", "small quality loss",
      "ppl +1.67% (±0.31) KL 0.0121 top1 93.8% (4094 scored tokens); needle -1.2 points vs fp16 (80 trials); "

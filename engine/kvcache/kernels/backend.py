@@ -16,6 +16,7 @@ Every kernel in this package is written once, as a body in a small common dialec
     SINCOS_PI(x,s,c)  s = sin(x), c = cos(x) for |x| <= pi, to ~1e-6 (the hardware's fast sine and cosine on CUDA;
                    a body reduces larger angles itself, with RINT and FMA)
     RINT, FMA      float round-to-nearest-integer and fused multiply-add
+    AS_F32(u)      the float whose bits are the unsigned integer u
     U2F(c)         float value of an unsigned code c < 2^23, exactly: the bits of 2^23 + c as a float, minus
                    2^23 (one logic op and one add; an integer-to-float conversion runs at a quarter of the
                    float rate on recent NVIDIA GPUs)
@@ -55,6 +56,7 @@ _CUDA_HEADER = """
 #define THREAD
 #define INLINE __device__ __forceinline__
 #define U2F(c) (__uint_as_float(0x4B000000u | (c)) - 8388608.0f)
+#define AS_F32(u) __uint_as_float(u)
 #define SINCOS_PI(x, s, c) __sincosf((x), &(s), &(c))
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
@@ -79,6 +81,7 @@ _METAL_HEADER = """
 #define THREAD thread
 #define INLINE inline
 #define U2F(c) (as_type<float>(0x4B000000u | (c)) - 8388608.0f)
+#define AS_F32(u) as_type<float>((uint)(u))
 #define SINCOS_PI(x, s, c) { (s) = metal::precise::sin(x); (c) = metal::precise::cos(x); }
 #define RINT(x) metal::rint(x)
 #define FMA(a, b, c) metal::fma((a), (b), (c))

@@ -328,10 +328,12 @@ _ATTEND_BODY = """
 #   3. values: each thread owns 8 channels of every NSG-th token (its codes loaded at the start of the tile,
 #      so their latency overlaps phases 1-2) and accumulates weight × code, with the value's scale folded
 #      into the weight and its bias into one sum per row.
-# No per-token key or value arrays in registers. Staging through registers (STAGE_LOAD/STAGE_STORE) needs 167
-# registers under nvcc for sm_90a with PF (173 without), against 101 when the loads went straight to shared
-# memory (benchmarks/kernel_resources.py); at TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
-# H200) that limits nothing: the grid sets the occupancy.
+# No per-token key or value arrays in registers. Staging through registers (STAGE_LOAD/STAGE_STORE) with PF takes
+# 96 registers under nvcc for sm_90a at 4 bits (128 at 3 bits, 126 with keys before RoPE), once the bounds checks,
+# per-load 64-bit index arithmetic and key-straddle checks that can never fire are gone at compile time (167 with
+# them; `python benchmarks/kernel_resources.py --instructions` counts each phase's instructions:
+# benchmarks/results/kernel-instructions.json). At TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
+# H200) registers limit nothing: the grid sets the occupancy.
 # Template ints as above plus KB, VB (key and value bits) and PF (1: each tile loaded during the previous
 # tile's phases); CT divides GK and NT, NT/CT threads share a token
 # in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
@@ -345,6 +347,9 @@ _TILED_BODY = """
   constexpr int NW = NT / 32;          // warps
   constexpr int VWT = D * VB / 32;     // value code words per token
   constexpr int VG = D / G;            // value groups per token
+  // Whether a key code can straddle two words (3, 5, 6 bits); where 32 is a multiple of KB it never does, and the
+  // compiler cannot see that from t1 * KB alone (the check cost 6 of the 32 instructions per 2 channels in phase 1).
+  constexpr bool KSPLIT = (32 % KB) != 0;
   const int bh = GROUP_Y;
   const int n_comp = n_comp_r_shape[0] - 1;
   const int n_win = HW ? (int)win_k_shape[2] : 0;
@@ -401,6 +406,20 @@ _TILED_BODY = """
   constexpr int NVW = (CT * VWT + NT - 1) / NT;
   constexpr int NVG = (CT * VG + NT - 1) / NT;
   constexpr int NDK = (D + NT - 1) / NT;
+  // Where NT threads cover an array in whole rounds (TID < NT), the bounds checks below always hold: skipped at
+  // compile time (they cost predicates and a shared-memory address per store).
+  constexpr bool FULL_KW = (D * KW) % NT == 0;
+  constexpr bool FULL_VW = (CT * VWT) % NT == 0;
+  constexpr bool FULL_VG = (CT * VG) % NT == 0;
+  constexpr bool FULL_DK = D % NT == 0;
+  constexpr float VUP = (float)(1u << VB);    // phase 3 reads value codes as 1 + code / 2^VB (see there)
+  // Where whole rows of codes fall to each thread (NT a multiple of the words per row), its code loads start from
+  // one pointer fixed for the split, the tile adding a plain offset (64-bit index arithmetic per load otherwise: it
+  // was most of the staging's instructions).
+  constexpr bool KEY_ROWS = NT % KW == 0;     // key words: channel TID / KW (+ NT / KW a round), word TID % KW
+  constexpr bool VALUE_ROWS = NT % VWT == 0;  // value words: token TID / VWT (+ NT / VWT a round), word TID % VWT
+  const GLOBAL U32* k0_mine = k0 + ((long)bh * D + (KEY_ROWS ? TID / KW : 0)) * k_row + (KEY_ROWS ? TID % KW : 0);
+  const GLOBAL U32* v0_mine = v0 + (long)bh * cap * v_row + (VALUE_ROWS ? TID % VWT : 0);
   U32 st_kw[NKW];
   U32 st_vw[NVW];
   float st_vs[NVG];
@@ -412,36 +431,49 @@ _TILED_BODY = """
     const int kg = sb / GK; \
     for (int j = 0; j < NKW; ++j) { \
       const int i = TID + j * NT; \
-      if (i < D * KW) st_kw[j] = k0[((long)bh * D + i / KW) * k_row + (long)sb * KB / 32 + i % KW]; \
+      if (FULL_KW || i < D * KW) { \
+        if (KEY_ROWS) st_kw[j] = k0_mine[(long)(j * (NT / KW)) * k_row + sb * KB / 32]; \
+        else st_kw[j] = k0[((long)bh * D + i / KW) * k_row + (long)sb * KB / 32 + i % KW]; \
+      } \
     } \
     for (int j = 0; j < NVW; ++j) { \
       const int i = TID + j * NT; \
-      const long c = (sb + i / VWT < c_end) ? sb + i / VWT : c_begin; \
-      if (i < CT * VWT) st_vw[j] = v0[((long)bh * cap + c) * v_row + i % VWT]; \
+      if (FULL_VW || i < CT * VWT) { \
+        if (VALUE_ROWS) { \
+          const int c = sb + TID / VWT + j * (NT / VWT); \
+          st_vw[j] = v0_mine[(long)(c < c_end ? c : c_begin) * v_row]; \
+        } else { \
+          const long c = (sb + i / VWT < c_end) ? sb + i / VWT : c_begin; \
+          st_vw[j] = v0[((long)bh * cap + c) * v_row + i % VWT]; \
+        } \
+      } \
     } \
     for (int j = 0; j < NVG; ++j) { \
       const int i = TID + j * NT; \
       const long c = (sb + i / VG < c_end) ? sb + i / VG : c_begin; \
-      if (i < CT * VG) { \
+      if (FULL_VG || i < CT * VG) { \
         st_vs[j] = (float)v1[((long)bh * cap + c) * v_groups + i % VG]; \
         st_vb[j] = (float)v2[((long)bh * cap + c) * v_groups + i % VG]; \
       } \
     } \
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
-      if (d < D) { \
+      if (FULL_DK || d < D) { \
         st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
         st_kb[j] = (float)k2[((long)bh * D + d) * k_groups + kg]; \
       } \
     } \
   }
 #define STAGE_STORE() { \
-    for (int j = 0; j < NKW; ++j) if (TID + j * NT < D * KW) sh_kw[TID + j * NT] = st_kw[j]; \
-    for (int j = 0; j < NVW; ++j) if (TID + j * NT < CT * VWT) sh_vw[TID + j * NT] = st_vw[j]; \
-    for (int j = 0; j < NVG; ++j) if (TID + j * NT < CT * VG) { sh_vs[TID + j * NT] = st_vs[j]; sh_vb[TID + j * NT] = st_vb[j]; } \
+    for (int j = 0; j < NKW; ++j) if (FULL_KW || TID + j * NT < D * KW) sh_kw[TID + j * NT] = st_kw[j]; \
+    for (int j = 0; j < NVW; ++j) if (FULL_VW || TID + j * NT < CT * VWT) sh_vw[TID + j * NT] = st_vw[j]; \
+    for (int j = 0; j < NVG; ++j) if (FULL_VG || TID + j * NT < CT * VG) { \
+      sh_vs[TID + j * NT] = VGRID ? st_vs[j] : st_vs[j] * VUP; \
+      sh_vb[TID + j * NT] = VGRID ? st_vb[j] : st_vb[j] - VUP * st_vs[j]; \
+    } \
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
-      if (d < D) { \
+      if (FULL_DK || d < D) { \
         sh_kb[d] = st_kb[j]; \
         sh_ks[d] = st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * st_ks[j]; \
@@ -481,7 +513,7 @@ _TILED_BODY = """
           const int b = TRAD ? 2 * j + 1 : j + D / 2;
           U32 code_a = sh_kw[a * KW + w] >> sh;
           U32 code_b = sh_kw[b * KW + w] >> sh;
-          if (sh + KB > 32) {
+          if (KSPLIT && sh + KB > 32) {
             code_a |= sh_kw[a * KW + w + 1] << (32 - sh);
             code_b |= sh_kw[b * KW + w + 1] << (32 - sh);
           }
@@ -503,12 +535,13 @@ _TILED_BODY = """
           for (int r = 0; r < R; ++r) acc[r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
         }
       } else {
-        // Unrolled by 2 only: a full unroll hoists the shared loads of many channels (128 registers, against
-        // 101 here for D = 128, R = 4; fewer registers, more resident threadgroups).
-#pragma unroll 2
+        // Unrolled by 8: the loop's own bookkeeping (addresses, compare, branch) is then ~1 of the ~11 instructions
+        // a channel costs, against 3 of 13 unrolled by 2; a full unroll takes more instructions and registers
+        // (nvcc for sm_90a, D = 128, R = 4, 4-bit codes: 129 registers unrolled by 8, 134 fully).
+#pragma unroll 8
         for (int d = half * DH; d < half * DH + DH; ++d) {
           U32 code = sh_kw[d * KW + w] >> sh;
-          if (sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
+          if (KSPLIT && sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
           const float x = KGRID ? sh_kgrid[code & ((1u << KB) - 1u)] : U2F(code & ((1u << KB) - 1u));
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
@@ -590,8 +623,16 @@ _TILED_BODY = """
         const float vbias = sh_vb[t * VG + vg];
         float x[8];
         for (int i = 0; i < 8; ++i) {
-          const U32 code = ((U32)(bits >> (i * VB))) & ((1u << VB) - 1u);
-          x[i] = VGRID ? sh_vgrid[code] : U2F(code);
+          if (VGRID) {
+            x[i] = sh_vgrid[((U32)(bits >> (i * VB))) & ((1u << VB) - 1u)];
+          } else {
+            // Code i moved to the top VB bits of the mantissa of 1.0: x = 1 + code / 2^VB exactly, in a shift and
+            // two logic ops (U2F adds a float add to those); the staged scale and bias were refolded for it
+            // (STAGE_STORE: scale·code + bias = (2^VB·scale)·x + (bias − 2^VB·scale)).
+            const U32 placed = (i * VB >= 23 - VB) ? (U32)(bits >> (i * VB - (23 - VB)))
+                                                   : ((U32)bits << ((23 - VB) - i * VB));
+            x[i] = AS_F32(0x3F800000u | (placed & (((1u << VB) - 1u) << (23 - VB))));
+          }
         }
         for (int r = 0; r < R; ++r) {
           const float p = sh_p[r * CT + t];

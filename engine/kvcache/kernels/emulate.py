@@ -124,6 +124,12 @@ inline T lane_xor(T x, int mask, int line) {
   return out;
 }
 
+inline float as_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 inline float u2f(uint32_t c) {
   const uint32_t bits = 0x4B000000u | c;
   float f;
@@ -143,6 +149,7 @@ inline float u2f(uint32_t c) {
 #define THREAD
 #define INLINE inline
 #define U2F(c) emu::u2f(c)
+#define AS_F32(u) emu::as_f32(u)
 #define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
