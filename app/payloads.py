@@ -68,6 +68,10 @@ class LevelSummary:
             extras.append(f"last {config.residual_window} tokens in 16 bits")
         if "key_block" in config.options:
             extras.append(f"keys in blocks of {config.options['key_block']} tokens")
+        if config.wide_fraction:
+            extras.append(f"one bit more on the {config.wide_fraction:.0%} most sensitive layers")
+        if config.options.get("rope") in ("auto", "pre"):
+            extras.append("keys stored before RoPE" + (" on a GPU" if config.options["rope"] == "auto" else ""))
         return cls(key=str(level.key), label=str(level.label), method=str(config.method),
                    key_bits=int(config.key_bits), value_bits=int(config.value_bits),
                    group_size=int(config.group_size), quality_note=str(level.quality_note),
