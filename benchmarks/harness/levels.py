@@ -55,8 +55,8 @@ _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 
 
 # Options a level carries beyond the rule's choice. They build the very cache the rule chose wherever no GPU decode
-# kernel runs (the CPU, where the quality sweep runs: tests/test_recommend.py builds each level both ways) and change
-# it only where one does, so LEVEL_TABLE writes them while the rule, the sweep and the report compare levels without
+# kernel runs (the CPU, where the quality sweep runs: tests/test_kvcache_prerope.py builds each level both ways) and
+# change it only where one does, so LEVEL_TABLE writes them while the rule, the sweep and the report compare levels without
 # them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; its GPU figures for the 4-, 3- and
 # 2-bit levels are BENCHMARKS.md's round 6 (needle, greedy agreement, decode speed on the H200).
 DEVICE_OPTIONS: dict[str, object] = {"rope": "auto"}

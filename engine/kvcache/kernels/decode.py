@@ -536,8 +536,9 @@ _TILED_BODY = """
         }
       } else {
         // Unrolled by 8: the loop's own bookkeeping (addresses, compare, branch) is then ~1 of the ~11 instructions
-        // a channel costs, against 3 of 13 unrolled by 2; a full unroll takes more instructions and registers
-        // (nvcc for sm_90a, D = 128, R = 4, 4-bit codes: 129 registers unrolled by 8, 134 fully).
+        // a channel costs, against 3 of 13 unrolled by 2; a full unroll came out longer (nvcc for sm_90a, D = 128,
+        // R = 4, 4-bit codes: 749 instructions against ~720 and 134 registers against 129, before the staging
+        // changes above took the pass to 96).
 #pragma unroll 8
         for (int d = half * DH; d < half * DH + DH; ++d) {
           U32 code = sh_kw[d * KW + w] >> sh;
@@ -804,10 +805,11 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
 # Backends where the tiled pass turns keys stored before RoPE (ROPE = 1; KIVI's rope=pre); elsewhere a rope=pre
 # cache attends through the reference path, decoding its keys. The CPU emulator checks it against the reference in
 # the tests; CUDA passed the GPU parity tests on the lent H200 (tests/test_kvcache_kernels.py, positions up to 33k,
-# traditional and not), where it decodes as fast as the same cache with keys after RoPE at 8k and 32k tokens and
-# ~7 % slower at 131k (benchmarks/results/decode-rope-fastsincos-h200.json). Metal runs the same body; its only
-# text of its own is the prelude's SINCOS_PI, RINT and FMA (MSL's precise sin/cos, rint, fma), as with every other
-# kernel here it is enabled by construction, not by a measurement (no Mac here: the GPU parity test runs on one).
+# traditional and not), where the levels decode at most 4 % slower than with keys after RoPE at 8k and 32k tokens
+# and 6-10 % slower at 131k (benchmarks/results/decode-rope-fastsincos-h200.json, decode-rope-levels-h200.json).
+# Metal runs the same body; its only text of its own is the prelude's SINCOS_PI, RINT and FMA (MSL's precise
+# sin/cos, rint, fma): as with every other kernel here it is enabled by construction, not by a measurement (no Mac
+# here: the GPU parity test runs on one).
 ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for

@@ -68,13 +68,14 @@ back by their positions (`quant/rope.py`) each channel keeps its own range. The 
 into the spec (`rope_dims`, `rope_base`, `rope_scale`, `rope_traditional`) so a saved or re-encoded cache needs no
 model; decoded keys are turned forward again by their positions on every path (prefill, dense export, trim).
 Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.quantized_matmul` applies RoPE to
-packed keys, so without a GPU kernel attention decodes the compressed keys every step (not a level on that
-account); the tiled decode pass has the variant (template ROPE: each key pair decoded and turned by its position),
-checked against the reference in the CPU emulator and on the H200 (`kernels/decode.py`, ROPE_BACKENDS: CUDA and
-Metal), where it costs no decode speed at 8k and 32k tokens and ~7 % at 131k. Option `rope=auto` asks for
-keys before RoPE only where that kernel will turn them (`rope_pre_declines`: a GPU backend in ROPE_BACKENDS,
-kernels not off, a plain full-width RoPE, a tile for the layout) and keys as given elsewhere; the builder resolves
-it for the model and device, so a built cache's spec says rope=pre or nothing.
+packed keys, so without a GPU kernel attention decodes the compressed keys every step (rope=pre is not a level on
+that account); the tiled decode pass has the variant (template ROPE: each key pair decoded and turned by its
+position), checked against the reference in the CPU emulator and on the H200 (`kernels/decode.py`, ROPE_BACKENDS:
+CUDA and Metal), where it costs the levels at most 4 % of decode speed at 8k and 32k tokens and 6-10 % at 131k.
+Option `rope=auto`, which the 4-, 3- and 2-bit levels carry, asks for keys before RoPE only where that kernel will
+turn them (`rope_pre_declines`: a GPU backend in ROPE_BACKENDS, kernels not off, a plain full-width RoPE, a tile
+for the layout) and keys as given elsewhere; the builder resolves it for the model and device, so a built cache's
+spec says rope=pre or nothing.
 Probe on SmolLM2-135M, held out (BENCHMARKS.md round 5): the wide 4-bit level's KL 0.0096 -> 0.0071 (2k
 windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated values +2.60% (+5.82% without both).
 
