@@ -275,8 +275,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         else keys before RoPE would make every decode step decode the whole history."""
         if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
             return "kernels are off"
-        backend = _kernels.available_backend()
-        if backend not in _kernels.decode.ROPE_BACKENDS:
+        if _kernels.available_backend() is None:
             return f"no GPU decode kernel turns keys on the default device ({mx.default_device()})"
         try:
             rope = model_rope(model)
@@ -286,17 +285,28 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         from engine.kvcache.builder import model_shape
 
         head_dim = model_shape(model).head_dim
-        if rope.dims != head_dim:
-            return f"the model's RoPE turns {rope.dims} of {head_dim} channels; the decode kernel turns all"
         if not (_kernels.decode.head_dim_supported(head_dim) and _kernels.decode.group_supported(config.group_size)):
             return f"the decode kernel has no variant for head_dim {head_dim} and group size {config.group_size}"
-        key_grid, value_grid = cls.grid_of(config, "key"), cls.grid_of(config, "value")
-        extra = 1 if config.wide_fraction is not None else 0
-        for more in range(extra + 1):  # the widened layers' codes too
-            key = Codec("kivi_keys", config.key_bits + more, grid=key_grid is not None)
-            value = Codec("affine", config.value_bits + more, grid=value_grid is not None)
-            if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config)) is None:
-                return f"the tiled decode pass has no tile for {key.bits}-bit keys and {value.bits}-bit values here"
+        layers = (config.without_wide(), config.widened()) if config.wide_fraction is not None else (config,)
+        for layer in layers:  # the widened layers' codes too
+            declined = cls._rope_kernel_declines(layer, rope, head_dim)
+            if declined is not None:
+                return declined
+        return None
+
+    @classmethod
+    def _rope_kernel_declines(cls, config: KVCacheConfig, rope: RopeParameters, head_dim: int) -> str | None:
+        """Why the decode kernel cannot turn the keys of one layer's `config`, stored before `rope`, on this
+        device (None: it can); the cache asks it of itself (`_kernel_declines_here`) and rope=auto of every
+        layer before choosing."""
+        if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
+            return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
+        if rope.dims != head_dim:
+            return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
+        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
+        value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
+        if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config)) is None:
+            return "only the tiled decode pass turns keys stored before RoPE, and it has no tile for this layout"
         return None
 
     @classmethod
@@ -319,17 +329,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return None if self._rope is None else (self._rope.frequencies(), self._rope.traditional)
 
     def _kernel_declines_here(self) -> str | None:
-        if self._rope is None:
-            return None
-        if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
-            return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
-        if self._rope.dims != self._k_head_dim:
-            return f"the decode kernel turns keys over all channels, not rope_dims {self._rope.dims} of {self._k_head_dim}"
-        key_codec, _, value_codec, _ = self._kernel_codecs()
-        if _kernels.decode.tiled_tile(key_codec, value_codec, self.config.group_size, self._k_head_dim,
-                                      self._kernel_key_block()) is None:
-            return "only the tiled decode pass turns keys stored before RoPE, and it has no tile for this layout"
-        return None
+        return None if self._rope is None else self._rope_kernel_declines(self.config, self._rope, self._k_head_dim)
 
     @classmethod
     def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:

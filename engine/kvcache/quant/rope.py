@@ -55,12 +55,10 @@ class RopeParameters:
 
 
 def _attention_modules(model: Any) -> list[Any]:
+    # `model.layers`, where KVCacheBuilder.for_model reads a model's layers (builder.model_shape).
     layers = getattr(model, "layers", None)
-    if layers is None:
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
     if not layers:
-        raise ConfigError("Keys before RoPE (rope=pre) need the model's layers; this model exposes none.")
+        raise ConfigError("Keys before RoPE (rope=pre) need the model's layers (model.layers); this model has none.")
     modules = [getattr(layer, "self_attn", None) for layer in layers]
     if any(module is None for module in modules):
         raise ConfigError("Keys before RoPE (rope=pre) need each layer's attention (self_attn); this model's differ.")
