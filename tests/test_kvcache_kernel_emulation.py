@@ -35,6 +35,9 @@ SPECS = (
     "kivi:k4v4:g64",
     "kivi:k3v3:g32:w9:s4",
     "kivi:k2v2:g64",
+    # Wider codes than a word holds for a thread's run of 8 tokens (phase 1 of the tiled pass reads two words).
+    "kivi:k8v8:g64",
+    "kivi:k6v6:g32:s4",
     "kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true",  # the best 2-bit candidate (issue 12)
     "kivi:k3v3:g64:w5:key_grid=lloyd:value_grid=lloyd_ends",
     "affine:k4v4:g64",

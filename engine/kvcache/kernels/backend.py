@@ -17,6 +17,7 @@ Every kernel in this package is written once, as a body in a small common dialec
                    a body reduces larger angles itself, with RINT and FMA)
     RINT, FMA      float round-to-nearest-integer and fused multiply-add
     AS_F32(u)      the float whose bits are the unsigned integer u
+    AS_U32(x)      the unsigned integer whose bits are the float x
     U2F(c)         float value of an unsigned code c < 2^23, exactly: the bits of 2^23 + c as a float, minus
                    2^23 (one logic op and one add; an integer-to-float conversion runs at a quarter of the
                    float rate on recent NVIDIA GPUs)
@@ -57,6 +58,7 @@ _CUDA_HEADER = """
 #define INLINE __device__ __forceinline__
 #define U2F(c) (__uint_as_float(0x4B000000u | (c)) - 8388608.0f)
 #define AS_F32(u) __uint_as_float(u)
+#define AS_U32(x) __float_as_uint(x)
 #define SINCOS_PI(x, s, c) __sincosf((x), &(s), &(c))
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
@@ -82,6 +84,7 @@ _METAL_HEADER = """
 #define INLINE inline
 #define U2F(c) (as_type<float>(0x4B000000u | (c)) - 8388608.0f)
 #define AS_F32(u) as_type<float>((uint)(u))
+#define AS_U32(x) as_type<uint>((float)(x))
 #define SINCOS_PI(x, s, c) { (s) = metal::precise::sin(x); (c) = metal::precise::cos(x); }
 #define RINT(x) metal::rint(x)
 #define FMA(a, b, c) metal::fma((a), (b), (c))

@@ -159,6 +159,17 @@ INLINE void unpack8u(const GLOBAL U32* row, int first, int bits, THREAD U32* out
   }
 }
 
+// Code `i` (`bits` wide) of the bit stream `x` as the float 1 + code / 2^bits: the code moved into the top `bits`
+// bits of 1.0's mantissa, exactly, in a shift and one logic op (with constant i and bits; an integer-to-float
+// conversion, or U2F's add, costs more). The caller refolds its scale and bias for it. `one` is 1.0's bits read
+// from memory: with the literal the compiler spends two logic ops (a mask and an or: a logic op takes one
+// immediate), with a register one.
+INLINE float unit_code(U32 x, int i, int bits, U32 one) {
+  const int up = 23 - bits;
+  const U32 placed = (i * bits >= up) ? (x >> (i * bits - up)) : (x << (up - i * bits));
+  return AS_F32(one | (placed & (((1u << bits) - 1u) << up)));
+}
+
 // The 8·bits bits of codes [first, first + 8), shifted down to bit 0 (bits of later codes above them).
 INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
   const int bit = first * bits;
@@ -350,6 +361,28 @@ _TILED_BODY = """
   // Whether a key code can straddle two words (3, 5, 6 bits); where 32 is a multiple of KB it never does, and the
   // compiler cannot see that from t1 * KB alone (the check cost 6 of the 32 instructions per 2 channels in phase 1).
   constexpr bool KSPLIT = (32 % KB) != 0;
+  // Phase 1 of compressed tiles (keys as stored, no RoPE): each thread takes a run of TT consecutive tokens and a
+  // slice of DC channels, so one shared word holds several of its codes and one read of a channel's q·s serves
+  // TT tokens (one token and a word read per code before: ~11 instructions per channel and token, ~6 now).
+  // The SLICES partial scores of a token add up in phase 2.
+  constexpr int TT = 8;                // phase 1: tokens per thread
+  constexpr int RUNS = CT / TT;        // phase 1: token runs per tile
+  constexpr int SLICES = NT / RUNS;    // phase 1: channel slices (partial scores per token)
+  constexpr int DC = D / SLICES;       // phase 1: channels per thread
+  constexpr bool KWIDE = TT * KB > 32; // a run's codes span two words even when aligned (5 bits and more)
+  // Padded shared layouts, so the threads of a warp read and write distinct banks: a channel's row of key words
+  // gets an odd stride; q·s gets a gap of 4 floats after every 8 channels (a warp's slices read their channels in
+  // distinct 16-byte units); partial scores skip a word every 32 tokens, and a slice's block of R rows is
+  // offset so the slices in a warp land on other banks (SS = RW/4 mod 32, RW the runs of one warp).
+  constexpr int KWP = KW + ((KW % 2) ? 0 : 1);
+  constexpr int CTP = CT + (CT + 31) / 32;
+  constexpr int RW = RUNS < 32 ? RUNS : 32;
+  constexpr int SS = R * CTP + ((RW / 4 - R * CTP) % 32 + 32) % 32;
+  constexpr int NH = SLICES > HALVES ? SLICES : HALVES;
+  // Keys read as 1 + code/2^KB in phase 1 (see there): the staged q·s is 2^KB·q·s and the staged bias
+  // bias − 2^KB·scale, so Σ (2^KB q·s)·x + Σ q·(bias − 2^KB·scale) = Σ q·(scale·code + bias).
+  constexpr bool KFOLD = !KGRID && !ROPE;
+  constexpr float KUP = KFOLD ? (float)(1u << KB) : 1.0f;
   const int bh = GROUP_Y;
   const int n_comp = n_comp_r_shape[0] - 1;
   const int n_win = HW ? (int)win_k_shape[2] : 0;
@@ -367,20 +400,23 @@ _TILED_BODY = """
   const long cap = (long)v0_shape[2];
 
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
-  SHARED float sh_qs[D * R];         // queries x the tile's key scales
+#define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
+#define S_AT(h, r, t) ((h) * SS + (r) * CTP + (t) + (t) / 32)
+  SHARED float sh_qs[D * R + D / 2 + 4];   // queries x the tile's key scales, at QS_AT(channel, row)
   SHARED float sh_kb[D];             // the tile's key biases
   SHARED float sh_ks[D];             // ... and scales (ROPE: each key is decoded and turned by its position)
   SHARED float sh_rf[D / 2];         // ROPE: each channel pair's angle per position (MLX's, see RopeParameters)
-  SHARED U32 sh_kw[D * KW + 1];      // the tile's key codes, one row of KW words per channel
+  SHARED U32 sh_kw[D * KWP + 1];     // the tile's key codes, one row of KW words (KWP apart) per channel
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
   SHARED float sh_vb[CT * VG];       // ... and biases
-  SHARED float sh_s[HALVES * R * CT];
-  SHARED float sh_p[R * CT];
+  SHARED float sh_s[NH * SS];        // partial scores: part h of row r, token t at S_AT(h, r, t)
+  SHARED float sh_p[CT * R];         // the tile's softmax weights, token-major (phase 3 reads a token's R at once)
   SHARED float sh_m[R];
   SHARED float sh_l[R];
   SHARED float sh_corr[R];
   const float scale = qscale[0];
+  const U32 one_bits = AS_U32(qscale[1]);   // 1.0 (see unit_code)
   for (int i = TID; i < R * D; i += NT) sh_q[(i % D) * R + i / D] = scale * (float)qry[(long)bh * R * D + i];
   if (TID < R) { sh_m[TID] = -1e30f; sh_l[TID] = 0.0f; }
   // Codes on a non-uniform grid (KIVI's key_grid / value_grid): code c stands for grid[c] in code units, so
@@ -420,6 +456,8 @@ _TILED_BODY = """
   constexpr bool VALUE_ROWS = NT % VWT == 0;  // value words: token TID / VWT (+ NT / VWT a round), word TID % VWT
   const GLOBAL U32* k0_mine = k0 + ((long)bh * D + (KEY_ROWS ? TID / KW : 0)) * k_row + (KEY_ROWS ? TID % KW : 0);
   const GLOBAL U32* v0_mine = v0 + (long)bh * cap * v_row + (VALUE_ROWS ? TID % VWT : 0);
+  const int kw_mine = (TID / KW) * KWP + TID % KW;   // KEY_ROWS: where this thread's first staged key word goes
+  const long v_stride = (long)(NT / VWT) * v_row;    // VALUE_ROWS: from one of this thread's value words to the next
   U32 st_kw[NKW];
   U32 st_vw[NVW];
   float st_vs[NVG];
@@ -440,8 +478,11 @@ _TILED_BODY = """
       const int i = TID + j * NT; \
       if (FULL_VW || i < CT * VWT) { \
         if (VALUE_ROWS) { \
-          const int c = sb + TID / VWT + j * (NT / VWT); \
-          st_vw[j] = v0_mine[(long)(c < c_end ? c : c_begin) * v_row]; \
+          /* No clamp at the split's end (one stride from word to word): a tile lies inside the cache's capacity */ \
+          /* (a multiple of its key block, hence of CT, as the key loads assume too), and a code past the end */ \
+          /* reads as a finite value (1 + code/2^VB, or a grid level) that phase 2 gives weight 0; the scales */ \
+          /* and biases, any 16-bit pattern, stay clamped. */ \
+          st_vw[j] = v0_mine[(long)(sb + TID / VWT) * v_row + (long)j * v_stride]; \
         } else { \
           const long c = (sb + i / VWT < c_end) ? sb + i / VWT : c_begin; \
           st_vw[j] = v0[((long)bh * cap + c) * v_row + i % VWT]; \
@@ -465,7 +506,11 @@ _TILED_BODY = """
     } \
   }
 #define STAGE_STORE() { \
-    for (int j = 0; j < NKW; ++j) if (FULL_KW || TID + j * NT < D * KW) sh_kw[TID + j * NT] = st_kw[j]; \
+    for (int j = 0; j < NKW; ++j) { \
+      const int i = TID + j * NT; \
+      if (FULL_KW || i < D * KW) \
+        sh_kw[KEY_ROWS ? kw_mine + j * (NT / KW) * KWP : (i / KW) * KWP + i % KW] = st_kw[j]; \
+    } \
     for (int j = 0; j < NVW; ++j) if (FULL_VW || TID + j * NT < CT * VWT) sh_vw[TID + j * NT] = st_vw[j]; \
     for (int j = 0; j < NVG; ++j) if (FULL_VG || TID + j * NT < CT * VG) { \
       sh_vs[TID + j * NT] = VGRID ? st_vs[j] : st_vs[j] * VUP; \
@@ -474,9 +519,9 @@ _TILED_BODY = """
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
       if (FULL_DK || d < D) { \
-        sh_kb[d] = st_kb[j]; \
+        sh_kb[d] = KFOLD ? st_kb[j] - KUP * st_ks[j] : st_kb[j]; \
         sh_ks[d] = st_ks[j]; \
-        for (int r = 0; r < R; ++r) sh_qs[d * R + r] = sh_q[d * R + r] * st_ks[j]; \
+        for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (KUP * st_ks[j]); \
       } \
     } \
   }
@@ -496,13 +541,13 @@ _TILED_BODY = """
       STAGE_STORE();
       if (PF && tile + 1 < comp_tiles) STAGE_LOAD(base + CT);
       BARRIER();
-      // Phase 1 (compressed): codes of token t1, channels [half*DH, half*DH + DH).
-      float acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-      const int bit = t1 * KB;
-      const int w = bit >> 5;
-      const int sh = bit & 31;
       if (ROPE) {
+        // Phase 1 (compressed, keys before RoPE): codes of token t1, channel pairs of its share of the channels.
+        float acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        const int bit = t1 * KB;
+        const int w = bit >> 5;
+        const int sh = bit & 31;
         // Keys stored before RoPE (KIVI's rope=pre): token t1 sits at position base + t1 (the stream starts at
         // position 0); each pair of its channels [half*D/2/HALVES, ...) is decoded, turned by position x the
         // pair's angle, and met by the query. The keys' bias is inside the decoded key (no per-tile fold).
@@ -511,11 +556,11 @@ _TILED_BODY = """
         for (int j = half * PH; j < half * PH + PH; ++j) {
           const int a = TRAD ? 2 * j : j;
           const int b = TRAD ? 2 * j + 1 : j + D / 2;
-          U32 code_a = sh_kw[a * KW + w] >> sh;
-          U32 code_b = sh_kw[b * KW + w] >> sh;
+          U32 code_a = sh_kw[a * KWP + w] >> sh;
+          U32 code_b = sh_kw[b * KWP + w] >> sh;
           if (KSPLIT && sh + KB > 32) {
-            code_a |= sh_kw[a * KW + w + 1] << (32 - sh);
-            code_b |= sh_kw[b * KW + w + 1] << (32 - sh);
+            code_a |= sh_kw[a * KWP + w + 1] << (32 - sh);
+            code_b |= sh_kw[b * KWP + w + 1] << (32 - sh);
           }
           code_a &= (1u << KB) - 1u;
           code_b &= (1u << KB) - 1u;
@@ -534,21 +579,46 @@ _TILED_BODY = """
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
         }
+        for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
       } else {
-        // Unrolled by 8: the loop's own bookkeeping (addresses, compare, branch) is then ~1 of the ~11 instructions
-        // a channel costs, against 3 of 13 unrolled by 2; a full unroll came out longer (nvcc for sm_90a, D = 128,
-        // R = 4, 4-bit codes: 749 instructions against ~720 and 134 registers against 129, before the staging
-        // changes above took the pass to 96).
-#pragma unroll 8
-        for (int d = half * DH; d < half * DH + DH; ++d) {
-          U32 code = sh_kw[d * KW + w] >> sh;
-          if (KSPLIT && sh + KB > 32) code |= sh_kw[d * KW + w + 1] << (32 - sh);
-          const float x = KGRID ? sh_kgrid[code & ((1u << KB) - 1u)] : U2F(code & ((1u << KB) - 1u));
+        // Phase 1 (compressed): tokens [run*TT, run*TT + TT) of the tile, channels [slice*DC, slice*DC + DC). The
+        // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word for 4 bits and less),
+        // each read as x = 1 + code/2^KB (the code moved into the top of 1.0's mantissa: exact, a shift and a
+        // logic op) against the refolded q·s (KFOLD above); a key grid looks its level up instead.
+        const int run = TID % RUNS;
+        const int slice = TID / RUNS;
+        const int kbit = run * TT * KB;
+        const int kw0 = kbit >> 5;
+        const int ksh = kbit & 31;
+        float acc[TT][R];
+        for (int i = 0; i < TT; ++i)
+          for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r] += sh_qs[d * R + r] * x;
+        for (int j = 0; j < DC; ++j) {
+          const int d = slice * DC + j;
+          const int at = d * KWP + kw0;
+          U64 wide = 0;
+          U32 narrow = 0;
+          if (KWIDE) wide = (((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh;
+          else if (KSPLIT) narrow = (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh);
+          else narrow = sh_kw[at] >> ksh;
+          float q[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) q[r] = sh_qs[QS_AT(d, r)];
+#pragma unroll
+          for (int i = 0; i < TT; ++i) {
+            const U32 bits = KWIDE ? (U32)(wide >> (i * KB)) : narrow;
+            const int k = KWIDE ? 0 : i;
+            const float x = KGRID ? sh_kgrid[(bits >> (k * KB)) & ((1u << KB) - 1u)] : unit_code(bits, k, KB, one_bits);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
+          }
         }
+#pragma unroll
+        for (int i = 0; i < TT; ++i)
+#pragma unroll
+          for (int r = 0; r < R; ++r) sh_s[S_AT(slice, r, run * TT + i)] = acc[i][r];
       }
-      for (int r = 0; r < R; ++r) sh_s[(half * R + r) * CT + t1] = acc[r];
     } else {
       // Phase 1 (16-bit sinks, then window): token t1's keys read directly.
       float acc[R];
@@ -562,7 +632,7 @@ _TILED_BODY = """
           for (int r = 0; r < R; ++r) acc[r] += sh_q[d * R + r] * x;
         }
       }
-      for (int r = 0; r < R; ++r) sh_s[(half * R + r) * CT + t1] = acc[r];
+      for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
     }
     BARRIER();
     // Phase 2: warp r takes row r (and r + NW, ...): the keys' bias term, the tile's max and weights.
@@ -574,25 +644,37 @@ _TILED_BODY = """
         for (int d = wl; d < D; d += 32) qb += sh_q[d * R + r] * sh_kb[d];
         for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
       }
+      // A token's score is the sum of its parts: SLICES channel slices of a compressed tile, HALVES otherwise.
+      const int parts = (dense || ROPE) ? HALVES : SLICES;
+      constexpr int PT = (CT + 31) / 32;    // tokens per lane, their scores kept in registers
+      float score[PT];
       float tmax = -1e30f;
-      for (int t = wl; t < CT; t += 32) {
-        float s = qb;
-        for (int h = 0; h < HALVES; ++h) s += sh_s[(h * R + r) * CT + t];
-        const int c = base + t;
-        const bool ok = dense ? (c < d_count) : (c < c_end && c >= CS);
-        s = ok ? s : -1e30f;
-        sh_p[r * CT + t] = s;
+#pragma unroll
+      for (int k = 0; k < PT; ++k) {
+        const int t = wl + 32 * k;
+        float s = -1e30f;
+        if (CT % 32 == 0 || t < CT) {
+          s = qb;
+          for (int h = 0; h < parts; ++h) s += sh_s[S_AT(h, r, t)];
+          const int c = base + t;
+          const bool ok = dense ? (c < d_count) : (c < c_end && c >= CS);
+          s = ok ? s : -1e30f;
+        }
+        score[k] = s;
         tmax = FMAX(tmax, s);
       }
       for (int st = 16; st > 0; st >>= 1) tmax = FMAX(tmax, LANE_XOR(tmax, st));
       const float m_old = sh_m[r];
       const float m_new = FMAX(m_old, tmax);
       float lsum = 0.0f;
-      for (int t = wl; t < CT; t += 32) {
-        const float s = sh_p[r * CT + t];
-        const float p = (s > -1e29f) ? EXP(s - m_new) : 0.0f;
-        sh_p[r * CT + t] = p;
-        lsum += p;
+#pragma unroll
+      for (int k = 0; k < PT; ++k) {
+        const int t = wl + 32 * k;
+        if (CT % 32 == 0 || t < CT) {
+          const float p = (score[k] > -1e29f) ? EXP(score[k] - m_new) : 0.0f;
+          sh_p[t * R + r] = p;
+          lsum += p;
+        }
       }
       for (int st = 16; st > 0; st >>= 1) lsum += LANE_XOR(lsum, st);
       if (wl == 0) {
@@ -632,11 +714,11 @@ _TILED_BODY = """
             // (STAGE_STORE: scale·code + bias = (2^VB·scale)·x + (bias − 2^VB·scale)).
             const U32 placed = (i * VB >= 23 - VB) ? (U32)(bits >> (i * VB - (23 - VB)))
                                                    : ((U32)bits << ((23 - VB) - i * VB));
-            x[i] = AS_F32(0x3F800000u | (placed & (((1u << VB) - 1u) << (23 - VB))));
+            x[i] = AS_F32(one_bits | (placed & (((1u << VB) - 1u) << (23 - VB))));
           }
         }
         for (int r = 0; r < R; ++r) {
-          const float p = sh_p[r * CT + t];
+          const float p = sh_p[t * R + r];
           const float ps = p * vscale;
           o_bias[r] += p * vbias;
           for (int i = 0; i < 8; ++i) o_acc[r][i] += ps * x[i];
@@ -651,7 +733,7 @@ _TILED_BODY = """
           float x[8];
           for (int i = 0; i < 8; ++i) x[i] = (float)vp[lane * 8 + i];
           for (int r = 0; r < R; ++r) {
-            const float p = sh_p[r * CT + t];
+            const float p = sh_p[t * R + r];
             for (int i = 0; i < 8; ++i) o_acc[r][i] += p * x[i];
           }
         }
@@ -845,6 +927,11 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
     block = key_block or group_size
     if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
         return None
+    # Phase 1 gives each thread a run of 8 tokens and a slice of the channels (TT, RUNS, SLICES), and reads a
+    # run's codes from at most two words (8 codes of 7 bits can span three).
+    runs = tile // 8
+    if tile % 8 or threads % runs or head_dim % (threads // runs) or key.bits == 7:
+        return None
     return tile
 
 
@@ -896,10 +983,11 @@ _DUMMIES: dict[tuple[int, str], mx.array] = {}
 
 
 def _scale_array(scale: float) -> mx.array:
-    # Built once per scale value (one per model): no host-to-device upload per step.
+    # Built once per scale value (one per model): no host-to-device upload per step. [scale, 1.0, ...]: the tiled
+    # pass takes 1.0 from memory (unit_code); 8 elements keep Metal from passing it in the constant space.
     array = _SCALES.get(scale)
     if array is None:
-        array = _SCALES[scale] = mx.full((8,), scale, dtype=mx.float32)
+        array = _SCALES[scale] = mx.array([scale] + [1.0] * 7, dtype=mx.float32)
     return array
 
 

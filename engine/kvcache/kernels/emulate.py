@@ -130,6 +130,12 @@ inline float as_f32(uint32_t bits) {
   return f;
 }
 
+inline uint32_t as_u32(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
 inline float u2f(uint32_t c) {
   const uint32_t bits = 0x4B000000u | c;
   float f;
@@ -150,6 +156,7 @@ inline float u2f(uint32_t c) {
 #define INLINE inline
 #define U2F(c) emu::u2f(c)
 #define AS_F32(u) emu::as_f32(u)
+#define AS_U32(x) emu::as_u32(x)
 #define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
