@@ -151,7 +151,7 @@ PAIRS = (
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
-    tiled = tiled_tile(key, value, group, head_dim, key_block)  # the pass plan_decode picks
+    tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),

@@ -20,6 +20,7 @@ import engine.kvcache.kernels as kernels
 from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels.backend import KernelSource, kernel
+from engine.kvcache.kernels.decode import Codec
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
 from tests.kvcache_helpers import filled_then_stepped
@@ -242,3 +243,39 @@ def test_a_barrier_or_shuffle_not_every_thread_reaches_is_an_error(body: str, me
     with pytest.raises(RuntimeError, match=message):
         kernel(divergent, EMULATE)(inputs=[mx.zeros((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                    output_shapes=[(32,)], output_dtypes=[mx.float32])
+
+
+def test_tiled_pass_fits_a_threadgroup_and_shrinks_its_tile_to_fit() -> None:
+    """The tiled pass's shared arrays stay within TILED_SHARED_LIMIT (Apple GPUs: 32 KB a threadgroup) for every
+    layout it takes; the app's shape keeps 64-token tiles; a shape over the limit at 64 gets a smaller tile."""
+    from engine.kvcache.kernels import decode
+
+    assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128, rows=4) == 64
+    assert decode.tiled_tile(Codec("kivi_keys", 8), Codec("affine", 8), 64, 128, 128, rows=8) == 32
+    for head_dim in (64, 128, 256):
+        for rows in (1, 2, 4, 8, 16):
+            for bits in (2, 3, 4, 5, 6, 8):
+                tile = decode.tiled_tile(Codec("kivi_keys", bits), Codec("affine", bits), 64, head_dim, 128, rows)
+                if tile is not None:
+                    assert tile >= decode.TILED_MIN_TILE
+                    used = decode.tiled_shared_bytes(head_dim, rows, decode.threads_for(head_dim), tile, bits, bits, 64)
+                    assert used <= decode.TILED_SHARED_LIMIT, (head_dim, rows, bits, tile, used)
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "kivi:k8v8:g64"])
+def test_tiled_pass_with_eight_query_rows_per_kv_head(spec: str) -> None:
+    """GQA of 8 (the partial scores of a tile grow with the rows; 8-bit codes take 32-token tiles there)."""
+    from engine.kvcache.kernels import decode
+
+    for tokens in (150, 700):
+        cache = _filled(spec, tokens, 128, 8, seed=tokens)
+        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 8 * N_KV, 1, 128), dtype=np.float32))
+        out = cache.attention(queries, None, None, scale=0.088, mask=None)
+        ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+        plan = cache._decode_plan(8)
+        assert plan is not None and ("CT", 64 if "k4" in spec else 32) in plan.template
+        assert ("R", 8) in plan.template
+        error = float(mx.max(mx.abs(out - ref)))
+        assert error <= 2e-3, (spec, tokens, error)
+    assert decode.TILED

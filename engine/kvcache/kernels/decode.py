@@ -53,6 +53,14 @@ TILED_TARGET_GROUPS = 256
 TILED_PREFETCH = True
 # The tiled pass's largest tile (tokens staged per round of its three phases; fewer rounds, fewer barriers).
 TILED_MAX_TILE = 64
+# ...and its smallest, where a smaller tile would fit the threadgroup memory (below: the per-subgroup pass).
+TILED_MIN_TILE = 32
+# Tokens per thread in the tiled pass's phase 1 (TT in `_TILED_BODY`).
+TILED_RUN = 4
+# Threadgroup memory the tiled pass may declare: Apple GPUs give a threadgroup 32 KB (CUDA's static limit is 48 KB).
+TILED_SHARED_LIMIT = 32 * 1024
+# Query rows per kv head assumed where a check runs before the model's are known (GQA of up to 8 covers common models).
+TILED_CHECK_ROWS = 8
 MAX_SPLITS = 256
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
@@ -365,20 +373,24 @@ _TILED_BODY = """
   // slice of DC channels, so one shared word holds several of its codes and one read of a channel's q·s serves
   // TT tokens (one token and a word read per code before: ~11 instructions per channel and token, ~6 now).
   // The SLICES partial scores of a token add up in phase 2.
-  constexpr int TT = 8;                // phase 1: tokens per thread
+  // TT = 4 rather than 8: the same instructions per code within a few percent, half the accumulators and half the
+  // partial scores in shared memory (Apple GPUs give a threadgroup 32 KB; see tiled_shared_bytes).
+  constexpr int TT = 4;                // phase 1: tokens per thread (decode.TILED_RUN; TT * KB <= 32: one or two words)
   constexpr int RUNS = CT / TT;        // phase 1: token runs per tile
   constexpr int SLICES = NT / RUNS;    // phase 1: channel slices (partial scores per token)
   constexpr int DC = D / SLICES;       // phase 1: channels per thread
-  constexpr bool KWIDE = TT * KB > 32; // a run's codes span two words even when aligned (5 bits and more)
   // Padded shared layouts, so the threads of a warp read and write distinct banks: a channel's row of key words
   // gets an odd stride; q·s gets a gap of 4 floats after every 8 channels (a warp's slices read their channels in
-  // distinct 16-byte units); partial scores skip a word every 32 tokens, and a slice's block of R rows is
-  // offset so the slices in a warp land on other banks (SS = RW/4 mod 32, RW the runs of one warp).
+  // distinct 16-byte units); partial scores skip a word every 32 tokens (a warp's runs, a word every TT tokens,
+  // then fall on distinct banks).
   constexpr int KWP = KW + ((KW % 2) ? 0 : 1);
   constexpr int CTP = CT + (CT + 31) / 32;
-  constexpr int RW = RUNS < 32 ? RUNS : 32;
-  constexpr int SS = R * CTP + ((RW / 4 - R * CTP) % 32 + 32) % 32;
-  constexpr int NH = SLICES > HALVES ? SLICES : HALVES;
+  constexpr int SS = R * CTP;
+  // The slices in one warp (SPW) add their partial scores by shuffles before storing them: the parts in shared
+  // memory are one per warp (NT·TT·R floats with one per slice: 16 KB at R = 8, past a 32 KB threadgroup).
+  constexpr int RW = RUNS < 32 ? RUNS : 32;   // runs in one warp
+  constexpr int SPW = 32 / RW;
+  constexpr int NH = SLICES / SPW > HALVES ? SLICES / SPW : HALVES;
   // Keys read as 1 + code/2^KB in phase 1 (see there): the staged q·s is 2^KB·q·s and the staged bias
   // bias − 2^KB·scale, so Σ (2^KB q·s)·x + Σ q·(bias − 2^KB·scale) = Σ q·(scale·code + bias).
   constexpr bool KFOLD = !KGRID && !ROPE;
@@ -410,7 +422,8 @@ _TILED_BODY = """
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
   SHARED float sh_vb[CT * VG];       // ... and biases
-  SHARED float sh_s[NH * SS];        // partial scores: part h of row r, token t at S_AT(h, r, t)
+  // Partial scores, part h of row r and token t at S_AT(h, r, t); after the tile loop, the token groups' outputs.
+  SHARED float sh_s[NH * SS > NSG * D ? NH * SS : NSG * D];
   SHARED float sh_p[CT * R];         // the tile's softmax weights, token-major (phase 3 reads a token's R at once)
   SHARED float sh_m[R];
   SHARED float sh_l[R];
@@ -582,7 +595,7 @@ _TILED_BODY = """
         for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
       } else {
         // Phase 1 (compressed): tokens [run*TT, run*TT + TT) of the tile, channels [slice*DC, slice*DC + DC). The
-        // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word for 4 bits and less),
+        // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word, two where they straddle),
         // each read as x = 1 + code/2^KB (the code moved into the top of 1.0's mantissa: exact, a shift and a
         // logic op) against the refolded q·s (KFOLD above); a key grid looks its level up instead.
         const int run = TID % RUNS;
@@ -597,27 +610,29 @@ _TILED_BODY = """
         for (int j = 0; j < DC; ++j) {
           const int d = slice * DC + j;
           const int at = d * KWP + kw0;
-          U64 wide = 0;
-          U32 narrow = 0;
-          if (KWIDE) wide = (((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh;
-          else if (KSPLIT) narrow = (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh);
-          else narrow = sh_kw[at] >> ksh;
+          const U32 bits = KSPLIT ? (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh) : sh_kw[at] >> ksh;
           float q[R];
 #pragma unroll
           for (int r = 0; r < R; ++r) q[r] = sh_qs[QS_AT(d, r)];
 #pragma unroll
           for (int i = 0; i < TT; ++i) {
-            const U32 bits = KWIDE ? (U32)(wide >> (i * KB)) : narrow;
-            const int k = KWIDE ? 0 : i;
-            const float x = KGRID ? sh_kgrid[(bits >> (k * KB)) & ((1u << KB) - 1u)] : unit_code(bits, k, KB, one_bits);
+            const float x = KGRID ? sh_kgrid[(bits >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits, i, KB, one_bits);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
           }
         }
 #pragma unroll
-        for (int i = 0; i < TT; ++i)
+        for (int m = RUNS; m < 32; m <<= 1)   // lanes m apart hold the same run in the warp's other slices
 #pragma unroll
-          for (int r = 0; r < R; ++r) sh_s[S_AT(slice, r, run * TT + i)] = acc[i][r];
+          for (int i = 0; i < TT; ++i)
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[i][r] += LANE_XOR(acc[i][r], m);
+        if (slice % SPW == 0) {
+#pragma unroll
+          for (int i = 0; i < TT; ++i)
+#pragma unroll
+            for (int r = 0; r < R; ++r) sh_s[S_AT(slice / SPW, r, run * TT + i)] = acc[i][r];
+        }
       }
     } else {
       // Phase 1 (16-bit sinks, then window): token t1's keys read directly.
@@ -644,8 +659,8 @@ _TILED_BODY = """
         for (int d = wl; d < D; d += 32) qb += sh_q[d * R + r] * sh_kb[d];
         for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
       }
-      // A token's score is the sum of its parts: SLICES channel slices of a compressed tile, HALVES otherwise.
-      const int parts = (dense || ROPE) ? HALVES : SLICES;
+      // A token's score is the sum of its parts: one per warp's slices of a compressed tile, HALVES otherwise.
+      const int parts = (dense || ROPE) ? HALVES : SLICES / SPW;
       constexpr int PT = (CT + 31) / 32;    // tokens per lane, their scores kept in registers
       float score[PT];
       float tmax = -1e30f;
@@ -742,16 +757,16 @@ _TILED_BODY = """
   }
 
   // The NSG token groups share one running max (block-uniform): their outputs just add up.
-  SHARED float sh_o[NSG * D];
+  // Into sh_s (no phase reads it after the loop's last barrier): one array fewer within a threadgroup's 32 KB.
   const long split_row = ((long)bh * GROUPS_X + GROUP_X) * R;
 #pragma unroll
   for (int r = 0; r < R; ++r) {   // unrolled: o_acc[r] stays in registers (a runtime index puts it in memory)
     BARRIER();
-    for (int i = 0; i < 8; ++i) sh_o[tg * D + lane * 8 + i] = o_acc[r][i] + o_bias[r];
+    for (int i = 0; i < 8; ++i) sh_s[tg * D + lane * 8 + i] = o_acc[r][i] + o_bias[r];
     BARRIER();
     for (int d = TID; d < D; d += NT) {
       float acc = 0.0f;
-      for (int g = 0; g < NSG; ++g) acc += sh_o[g * D + d];
+      for (int g = 0; g < NSG; ++g) acc += sh_s[g * D + d];
       part_o[(split_row + r) * D + d] = acc;
     }
     if (TID == 0) {
@@ -915,24 +930,59 @@ def tiled_source() -> KernelSource:
     )
 
 
-def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None) -> int | None:
-    """CT of the tiled pass for this pair and layout, or None where it does not apply (see `_TILED_BODY`)."""
+def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None,
+               rows: int = 0) -> int | None:
+    """CT of the tiled pass for this pair and layout, or None where it does not apply (see `_TILED_BODY`).
+
+    `rows`: query rows per kv head (0 where not known yet: TILED_CHECK_ROWS). The tile is halved until the pass's
+    threadgroup memory fits TILED_SHARED_LIMIT."""
     if not TILED or key.kind != "kivi_keys" or value.kind != "affine":
         return None
     if (key.grid and key.bits > 4) or (value.grid and value.bits > 4):
         return None  # a grid's table holds at most 16 levels
     threads = threads_for(head_dim)
     token_groups = threads // (head_dim // 8)
-    tile = min(TILED_MAX_TILE, key_block or group_size)
     block = key_block or group_size
-    if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
-        return None
-    # Phase 1 gives each thread a run of 8 tokens and a slice of the channels (TT, RUNS, SLICES), and reads a
-    # run's codes from at most two words (8 codes of 7 bits can span three).
-    runs = tile // 8
-    if tile % 8 or threads % runs or head_dim % (threads // runs) or key.bits == 7:
-        return None
-    return tile
+    tile = min(TILED_MAX_TILE, block)
+    while True:
+        if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
+            return None
+        # Phase 1 gives each thread a run of TILED_RUN tokens and a slice of the channels (TT, RUNS, SLICES).
+        runs = tile // TILED_RUN
+        if tile % TILED_RUN or threads % runs or head_dim % (threads // runs):
+            return None
+        shared = tiled_shared_bytes(head_dim, rows or TILED_CHECK_ROWS, threads, tile, key.bits, value.bits, group_size)
+        if shared <= TILED_SHARED_LIMIT:
+            return tile
+        tile //= 2
+        if tile < TILED_MIN_TILE:
+            return None
+
+
+def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bits: int, value_bits: int,
+                       group_size: int) -> int:
+    """Bytes of threadgroup memory the tiled pass declares (`_TILED_BODY`'s SHARED arrays, all 4-byte; an upper
+    bound: the compiler drops what a variant never reads, e.g. the RoPE angles)."""
+    d, r, nt, ct = head_dim, rows, threads, tile
+    key_words = ct * key_bits // 32
+    key_row = key_words + (0 if key_words % 2 else 1)                                  # KWP
+    runs = ct // TILED_RUN
+    slices = nt // runs
+    padded = ct + (ct + 31) // 32                                                      # CTP
+    parts = max(slices // (32 // min(runs, 32)), nt // ct)                            # NH
+    part = r * padded                                                                  # SS
+    words = (
+        d * r                                       # sh_q
+        + d * r + d // 2 + 4                        # sh_qs
+        + 2 * d + d // 2                            # sh_kb, sh_ks, sh_rf
+        + d * key_row + 1                           # sh_kw
+        + ct * d * value_bits // 32 + 1             # sh_vw
+        + 2 * ct * (d // group_size)                # sh_vs, sh_vb
+        + max(parts * part, (nt // (d // 8)) * d)   # sh_s (also the token groups' outputs)
+        + ct * r                                    # sh_p
+        + 3 * r + 32                                # sh_m, sh_l, sh_corr, the two grids
+    )
+    return 4 * words
 
 
 def head_dim_supported(head_dim: int) -> bool:
@@ -1039,7 +1089,7 @@ def plan_decode(
     RoPE (KIVI's rope=pre, full rotary), as (each channel pair's angle per position, float32 [D/2];
     traditional pairing), which only the tiled pass turns (the caller checked `tiled_tile`)."""
     threads = threads_for(head_dim)
-    tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block)
+    tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows)
     arrays = (*key_arrays, *value_arrays)
     if rope is not None and tiled is None:
         raise ValueError("Only the tiled decode pass turns keys stored before RoPE.")
