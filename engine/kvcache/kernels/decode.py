@@ -393,7 +393,7 @@ _TILED_BODY = """
   constexpr int NH = SLICES / SPW > HALVES ? SLICES / SPW : HALVES;
   // Keys read as 1 + code/2^KB in phase 1 (see there): the staged q·s is 2^KB·q·s and the staged bias
   // bias − 2^KB·scale, so Σ (2^KB q·s)·x + Σ q·(bias − 2^KB·scale) = Σ q·(scale·code + bias).
-  constexpr bool KFOLD = !KGRID && !ROPE;
+  constexpr bool KFOLD = !KGRID;
   constexpr float KUP = KFOLD ? (float)(1u << KB) : 1.0f;
   const int bh = GROUP_Y;
   const int n_comp = n_comp_r_shape[0] - 1;
@@ -533,7 +533,7 @@ _TILED_BODY = """
       const int d = TID + j * NT; \
       if (FULL_DK || d < D) { \
         sh_kb[d] = KFOLD ? st_kb[j] - KUP * st_ks[j] : st_kb[j]; \
-        sh_ks[d] = st_ks[j]; \
+        sh_ks[d] = KUP * st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (KUP * st_ks[j]); \
       } \
     } \
@@ -554,58 +554,62 @@ _TILED_BODY = """
       STAGE_STORE();
       if (PF && tile + 1 < comp_tiles) STAGE_LOAD(base + CT);
       BARRIER();
+      // Phase 1 (compressed): tokens [run*TT, run*TT + TT) of the tile, channels [slice*DC, slice*DC + DC). The
+      // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word, two where they straddle),
+      // each read as x = 1 + code/2^KB (the code moved into the top of 1.0's mantissa: exact, a shift and a logic
+      // op) against the refolded scales (KFOLD above); a key grid looks its level up instead.
+      const int run = TID % RUNS;
+      const int slice = TID / RUNS;
+      const int kbit = run * TT * KB;
+      const int kw0 = kbit >> 5;
+      const int ksh = kbit & 31;
+      float acc[TT][R];
+      for (int i = 0; i < TT; ++i)
+        for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
       if (ROPE) {
-        // Phase 1 (compressed, keys before RoPE): codes of token t1, channel pairs of its share of the channels.
-        float acc[R];
-        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-        const int bit = t1 * KB;
-        const int w = bit >> 5;
-        const int sh = bit & 31;
-        // Keys stored before RoPE (KIVI's rope=pre): token t1 sits at position base + t1 (the stream starts at
-        // position 0); each pair of its channels [half*D/2/HALVES, ...) is decoded, turned by position x the
-        // pair's angle, and met by the query. The keys' bias is inside the decoded key (no per-tile fold).
-        const float position = (float)(base + t1);
-        constexpr int PH = D / 2 / HALVES;
-        for (int j = half * PH; j < half * PH + PH; ++j) {
+        // Keys stored before RoPE (KIVI's rope=pre): token t of the tile sits at position base + t (the stream
+        // starts at position 0); the thread's DC/2 channel pairs are decoded, turned by position x the pair's
+        // angle, and met by the query (the keys' bias is inside the decoded key: no per-tile fold).
+        constexpr int DP = DC / 2;
+        const float first = (float)(base + run * TT);   // the run's first position (exact below 2^24, as + i)
+#pragma unroll 2
+        for (int jj = 0; jj < DP; ++jj) {
+          const int j = slice * DP + jj;
           const int a = TRAD ? 2 * j : j;
           const int b = TRAD ? 2 * j + 1 : j + D / 2;
-          U32 code_a = sh_kw[a * KWP + w] >> sh;
-          U32 code_b = sh_kw[b * KWP + w] >> sh;
-          if (KSPLIT && sh + KB > 32) {
-            code_a |= sh_kw[a * KWP + w + 1] << (32 - sh);
-            code_b |= sh_kw[b * KWP + w + 1] << (32 - sh);
-          }
-          code_a &= (1u << KB) - 1u;
-          code_b &= (1u << KB) - 1u;
-          const float ka = sh_ks[a] * (KGRID ? sh_kgrid[code_a] : U2F(code_a)) + sh_kb[a];
-          const float kb = sh_ks[b] * (KGRID ? sh_kgrid[code_b] : U2F(code_b)) + sh_kb[b];
-          // The angle as MLX's RoPE computes it (float32 position x frequency), reduced to [-pi, pi] by whole
-          // turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast sine and cosine serve: a
-          // full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad (long contexts).
-          const float angle = position * sh_rf[j];
-          const float turns = RINT(angle * 0.159154943091895f);
-          const float reduced = FMA(-turns, -1.7484555314695172e-07f, FMA(-turns, 6.2831854820251465f, angle));
-          float sn, cs;
-          SINCOS_PI(reduced, sn, cs);
-          const float ra = ka * cs - kb * sn;
-          const float rb = ka * sn + kb * cs;
+          const int at_a = a * KWP + kw0;
+          const int at_b = b * KWP + kw0;
+          const U32 bits_a = KSPLIT ? (U32)((((U64)sh_kw[at_a + 1] << 32) | (U64)sh_kw[at_a]) >> ksh) : sh_kw[at_a] >> ksh;
+          const U32 bits_b = KSPLIT ? (U32)((((U64)sh_kw[at_b + 1] << 32) | (U64)sh_kw[at_b]) >> ksh) : sh_kw[at_b] >> ksh;
+          const float scale_a = sh_ks[a], bias_a = sh_kb[a], scale_b = sh_ks[b], bias_b = sh_kb[b];
+          const float freq = sh_rf[j];
+          float qa[R], qb[R];
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
+          for (int r = 0; r < R; ++r) { qa[r] = sh_q[a * R + r]; qb[r] = sh_q[b * R + r]; }
+#pragma unroll
+          for (int i = 0; i < TT; ++i) {
+            const float xa = KGRID ? sh_kgrid[(bits_a >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_a, i, KB, one_bits);
+            const float xb = KGRID ? sh_kgrid[(bits_b >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_b, i, KB, one_bits);
+            const float ka = scale_a * xa + bias_a;
+            const float kb = scale_b * xb + bias_b;
+            // The angle as MLX's RoPE computes it (float32 position x frequency), reduced to [-pi, pi] by whole
+            // turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast sine and cosine serve: a
+            // full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad (long contexts).
+            const float angle = (first + (float)i) * freq;
+            const float turns = RINT(angle * 0.159154943091895f);
+            const float reduced = FMA(-turns, -1.7484555314695172e-07f, FMA(-turns, 6.2831854820251465f, angle));
+            float sn, cs;
+            SINCOS_PI(reduced, sn, cs);
+            const float ra = ka * cs - kb * sn;
+            const float rb = ka * sn + kb * cs;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {   // two multiply-adds (a sum of the two products first costs a third op)
+              acc[i][r] += qa[r] * ra;
+              acc[i][r] += qb[r] * rb;
+            }
+          }
         }
-        for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
       } else {
-        // Phase 1 (compressed): tokens [run*TT, run*TT + TT) of the tile, channels [slice*DC, slice*DC + DC). The
-        // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word, two where they straddle),
-        // each read as x = 1 + code/2^KB (the code moved into the top of 1.0's mantissa: exact, a shift and a
-        // logic op) against the refolded q·s (KFOLD above); a key grid looks its level up instead.
-        const int run = TID % RUNS;
-        const int slice = TID / RUNS;
-        const int kbit = run * TT * KB;
-        const int kw0 = kbit >> 5;
-        const int ksh = kbit & 31;
-        float acc[TT][R];
-        for (int i = 0; i < TT; ++i)
-          for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
 #pragma unroll
         for (int j = 0; j < DC; ++j) {
           const int d = slice * DC + j;
@@ -621,18 +625,18 @@ _TILED_BODY = """
             for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
           }
         }
+      }
 #pragma unroll
-        for (int m = RUNS; m < 32; m <<= 1)   // lanes m apart hold the same run in the warp's other slices
+      for (int m = RUNS; m < 32; m <<= 1)   // lanes m apart hold the same run in the warp's other slices
 #pragma unroll
-          for (int i = 0; i < TT; ++i)
+        for (int i = 0; i < TT; ++i)
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[i][r] += LANE_XOR(acc[i][r], m);
-        if (slice % SPW == 0) {
+          for (int r = 0; r < R; ++r) acc[i][r] += LANE_XOR(acc[i][r], m);
+      if (slice % SPW == 0) {
 #pragma unroll
-          for (int i = 0; i < TT; ++i)
+        for (int i = 0; i < TT; ++i)
 #pragma unroll
-            for (int r = 0; r < R; ++r) sh_s[S_AT(slice / SPW, r, run * TT + i)] = acc[i][r];
-        }
+          for (int r = 0; r < R; ++r) sh_s[S_AT(slice / SPW, r, run * TT + i)] = acc[i][r];
       }
     } else {
       // Phase 1 (16-bit sinks, then window): token t1's keys read directly.
@@ -660,7 +664,7 @@ _TILED_BODY = """
         for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
       }
       // A token's score is the sum of its parts: one per warp's slices of a compressed tile, HALVES otherwise.
-      const int parts = (dense || ROPE) ? HALVES : SLICES / SPW;
+      const int parts = dense ? HALVES : SLICES / SPW;
       constexpr int PT = (CT + 31) / 32;    // tokens per lane, their scores kept in registers
       float score[PT];
       float tmax = -1e30f;
@@ -947,9 +951,10 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
     while True:
         if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
             return None
-        # Phase 1 gives each thread a run of TILED_RUN tokens and a slice of the channels (TT, RUNS, SLICES).
+        # Phase 1 gives each thread a run of TILED_RUN tokens and a slice of the channels (TT, RUNS, SLICES),
+        # whole channel pairs where keys are stored before RoPE.
         runs = tile // TILED_RUN
-        if tile % TILED_RUN or threads % runs or head_dim % (threads // runs):
+        if tile % TILED_RUN or threads % runs or (head_dim // 2) % (threads // runs):
             return None
         shared = tiled_shared_bytes(head_dim, rows or TILED_CHECK_ROWS, threads, tile, key.bits, value.bits, group_size)
         if shared <= TILED_SHARED_LIMIT:
