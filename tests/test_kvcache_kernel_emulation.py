@@ -279,3 +279,33 @@ def test_tiled_pass_with_eight_query_rows_per_kv_head(spec: str) -> None:
         error = float(mx.max(mx.abs(out - ref)))
         assert error <= 2e-3, (spec, tokens, error)
     assert decode.TILED
+
+
+@pytest.mark.usefixtures("emulated")
+def test_keys_before_rope_without_a_tile_at_the_models_rows_take_the_reference_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled pass's tile depends on the query rows per kv head (threadgroup memory); where there is none at
+    a model's rows, a rope=pre cache attends through the reference path (right, slower) rather than failing, and
+    rope=auto's check, given those rows, declines."""
+    from engine.kvcache.kernels import decode
+    from engine.kvcache.methods.kivi import VeloxKIVIKVCache
+    from engine.kvcache.quant.rope import RopeParameters
+
+    spec = "kivi:k4v4:g64:s4:key_block=128:" + ROPE_SPEC.format("false")
+    cache = _filled(spec, 300, 128, 16, seed=3)
+    limit = decode.tiled_shared_bytes(128, 8, 128, 32, 4, 4, 64)  # room for 8 rows (the check's), not 16
+    monkeypatch.setattr(decode, "TILED_SHARED_LIMIT", limit)
+    assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128, 16) is None
+    assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128) is not None  # rows unknown: 8
+    queries = mx.array(np.random.default_rng(3).standard_normal((1, 16 * N_KV, 1, 128), dtype=np.float32))
+    with pytest.raises(ConfigError, match="no tile for 16 query heads per kv head"):
+        cache.attention(queries, None, None, scale=0.088, mask=None)  # kernels=require
+    cache.config = replace(cache.config, options={**cache.config.options, "kernels": "auto"})
+    out = cache.attention(queries, None, None, scale=0.088, mask=None)
+    ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+    assert cache._decode_plan(16) is None
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-3
+    rope = RopeParameters(dims=128, base=10000.0, scale=1.0, traditional=False)
+    config = KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128")
+    assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 16) is not None
+    assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 8) is None

@@ -880,10 +880,22 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             codecs = self._kernel_codecs()
             assert codecs is not None
             key_codec, key_arrays, value_codec, value_arrays = codecs
-            plan = _kernels.plan_decode(
-                key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
-                self._k_head_dim, rows, backend, self._kernel_key_block(), rope=self._kernel_rope(),
-            )
+            rope = self._kernel_rope()
+            layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
+            # Only the tiled pass turns keys stored before RoPE, and its tile depends on the query rows (threadgroup
+            # memory; the cache's own check assumed TILED_CHECK_ROWS): with none at these rows, the reference path
+            # (right, slower), or under kernels=require the error saying why.
+            if rope is not None and _kernels.decode.tiled_tile(key_codec, value_codec, *layout, rows) is None:
+                backend = _kernels.resolve_backend(
+                    self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE),
+                    f"the tiled decode pass, the only one that turns keys stored before RoPE, has no tile for "
+                    f"{rows} query heads per kv head",
+                )
+            if backend is not None:
+                plan = _kernels.plan_decode(
+                    key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
+                    self._k_head_dim, rows, backend, self._kernel_key_block(), rope=rope,
+                )
         if self._store is not None:  # "nothing compressed yet" is rechecked until something is
             self._plan_cache = (self._store, self.config, rows, device, plan)
         return plan

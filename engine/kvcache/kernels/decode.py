@@ -369,10 +369,10 @@ _TILED_BODY = """
   // Whether a key code can straddle two words (3, 5, 6 bits); where 32 is a multiple of KB it never does, and the
   // compiler cannot see that from t1 * KB alone (the check cost 6 of the 32 instructions per 2 channels in phase 1).
   constexpr bool KSPLIT = (32 % KB) != 0;
-  // Phase 1 of compressed tiles (keys as stored, no RoPE): each thread takes a run of TT consecutive tokens and a
-  // slice of DC channels, so one shared word holds several of its codes and one read of a channel's q·s serves
-  // TT tokens (one token and a word read per code before: ~11 instructions per channel and token, ~6 now).
-  // The SLICES partial scores of a token add up in phase 2.
+  // Phase 1 of compressed tiles: each thread takes a run of TT consecutive tokens and a slice of DC channels, so one
+  // shared word holds several of its codes and one read of a channel's q·s (or, keys before RoPE, of a pair's
+  // scales and query rows) serves TT tokens (one token and a word read per code before: ~11 instructions per
+  // channel and token, ~6.5 now). A token's partial scores add up by shuffles within a warp, then in phase 2.
   // TT = 4 rather than 8: the same instructions per code within a few percent, half the accumulators and half the
   // partial scores in shared memory (Apple GPUs give a threadgroup 32 KB; see tiled_shared_bytes).
   constexpr int TT = 4;                // phase 1: tokens per thread (decode.TILED_RUN; TT * KB <= 32: one or two words)
@@ -415,8 +415,8 @@ _TILED_BODY = """
 #define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
 #define S_AT(h, r, t) ((h) * SS + (r) * CTP + (t) + (t) / 32)
   SHARED float sh_qs[D * R + D / 2 + 4];   // queries x the tile's key scales, at QS_AT(channel, row)
-  SHARED float sh_kb[D];             // the tile's key biases
-  SHARED float sh_ks[D];             // ... and scales (ROPE: each key is decoded and turned by its position)
+  SHARED float sh_kb[D];             // the tile's key biases (refolded, KFOLD)
+  SHARED float sh_ks[D];             // ... and scales x KUP (ROPE: each key is decoded and turned by its position)
   SHARED float sh_rf[D / 2];         // ROPE: each channel pair's angle per position (MLX's, see RopeParameters)
   SHARED U32 sh_kw[D * KWP + 1];     // the tile's key codes, one row of KW words (KWP apart) per channel
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token

@@ -284,28 +284,30 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         # The builder imports the methods: imported at call time.
         from engine.kvcache.builder import model_shape
 
-        head_dim = model_shape(model).head_dim
+        shape = model_shape(model)
+        head_dim = shape.head_dim
         if not (_kernels.decode.head_dim_supported(head_dim) and _kernels.decode.group_supported(config.group_size)):
             return f"the decode kernel has no variant for head_dim {head_dim} and group size {config.group_size}"
         layers = (config.without_wide(), config.widened()) if config.wide_fraction is not None else (config,)
         for layer in layers:  # the widened layers' codes too
-            declined = cls._rope_kernel_declines(layer, rope, head_dim)
+            declined = cls._rope_kernel_declines(layer, rope, head_dim, shape.n_heads // shape.n_kv_heads)
             if declined is not None:
                 return declined
         return None
 
     @classmethod
-    def _rope_kernel_declines(cls, config: KVCacheConfig, rope: RopeParameters, head_dim: int) -> str | None:
+    def _rope_kernel_declines(cls, config: KVCacheConfig, rope: RopeParameters, head_dim: int,
+                              rows: int = 0) -> str | None:
         """Why the decode kernel cannot turn the keys of one layer's `config`, stored before `rope`, on this
         device (None: it can); the cache asks it of itself (`_kernel_declines_here`) and rope=auto of every
-        layer before choosing."""
+        layer before choosing. `rows`: query heads per kv head where known (the tile depends on them)."""
         if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
         if rope.dims != head_dim:
             return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
         key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
-        if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config)) is None:
+        if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
             return "only the tiled decode pass turns keys stored before RoPE, and it has no tile for this layout"
         return None
 
