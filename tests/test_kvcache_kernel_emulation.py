@@ -309,3 +309,20 @@ def test_keys_before_rope_without_a_tile_at_the_models_rows_take_the_reference_p
     config = KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128")
     assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 16) is not None
     assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 8) is None
+
+
+@pytest.mark.usefixtures("emulated")
+def test_keys_on_a_grid_without_a_tile_at_the_models_rows_take_the_reference_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the tiled pass reads keys on a grid: with no tile at a model's rows the reference path serves."""
+    from engine.kvcache.kernels import decode
+
+    cache = _filled("kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd", 300, 128, 16, seed=5)
+    cache.config = replace(cache.config, options={**cache.config.options, "kernels": "auto"})
+    monkeypatch.setattr(decode, "TILED_SHARED_LIMIT", decode.tiled_shared_bytes(128, 8, 128, 32, 2, 2, 64))
+    assert decode.tiled_tile(Codec("kivi_keys", 2, grid=True), Codec("affine", 2), 64, 128, 128, 16) is None
+    queries = mx.array(np.random.default_rng(5).standard_normal((1, 16 * N_KV, 1, 128), dtype=np.float32))
+    out = cache.attention(queries, None, None, scale=0.088, mask=None)
+    ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+    assert cache._decode_plan(16) is None
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-3

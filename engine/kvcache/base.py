@@ -882,14 +882,15 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             key_codec, key_arrays, value_codec, value_arrays = codecs
             rope = self._kernel_rope()
             layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
-            # Only the tiled pass turns keys stored before RoPE, and its tile depends on the query rows (threadgroup
-            # memory; the cache's own check assumed TILED_CHECK_ROWS): with none at these rows, the reference path
-            # (right, slower), or under kernels=require the error saying why.
-            if rope is not None and _kernels.decode.tiled_tile(key_codec, value_codec, *layout, rows) is None:
+            # The tiled pass's tile depends on the query rows (threadgroup memory; the cache's own check assumed
+            # TILED_CHECK_ROWS), and only it turns keys stored before RoPE or reads keys on a grid: with no pass for
+            # these rows, the reference path (right, slower), or under kernels=require the error saying why.
+            if _kernels.decode.tiled_tile(key_codec, value_codec, *layout, rows) is None and (
+                rope is not None or _kernels.decode.tile_tokens(key_codec, *layout) is None
+            ):
                 backend = _kernels.resolve_backend(
                     self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE),
-                    f"the tiled decode pass, the only one that turns keys stored before RoPE, has no tile for "
-                    f"{rows} query heads per kv head",
+                    f"the decode kernel has no tile for {rows} query heads per kv head",
                 )
             if backend is not None:
                 plan = _kernels.plan_decode(
