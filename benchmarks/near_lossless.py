@@ -78,6 +78,7 @@ def main() -> None:
     per_spec: dict[str, dict[str, list]] = {name: {"nll": [], "kl": [], "top1": [], "bytes": []} for name in names}
     windows = []
     began = time.time()
+    plan = []  # (text, its token ids, window starts), checked before any window runs
     for text in args.text:
         ids = list(tokenizer.encode(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False))
         first = len(ids) // 20
@@ -86,6 +87,12 @@ def main() -> None:
             first + (room * index // max(args.windows - 1, 1) if args.windows > 1 else room // 2)
             for index in range(args.windows)
         ]
+        for start in starts:
+            if start < 0 or start + args.tokens > len(ids):
+                sys.exit(f"{Path(text).name} has {len(ids):,} tokens: a {args.tokens:,}-token window at {start:,} "
+                         "does not fit in it (choose another --start, or --windows).")
+        plan.append((text, ids, starts))
+    for text, ids, starts in plan:
         for start in starts:
             tokens = ids[start : start + args.tokens]
             windows.append({"text": Path(text).name, "start": start, "tokens": len(tokens)})
