@@ -17,7 +17,9 @@ def wait_idle(qtbot: Any, controller: ChatController) -> None:
 
 
 def reply(qtbot: Any, controller: ChatController, text: str) -> None:
-    """Send `text` and wait for the whole reply."""
+    """Send `text` once the controller is free (a job's end, e.g. a document read, may still be on its way from
+    the worker: a send meanwhile is refused, rightly) and wait for the whole reply."""
+    wait_idle(qtbot, controller)
     assert controller.send(text)
     wait_idle(qtbot, controller)
 

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import QApplication, QDialog, QMessageBox
 
 from app.main import build_app, qt_binding_problem
 from app.settings import Settings, save_settings
-from tests.app_helpers import WAIT_MS, wait_idle
+from tests.app_helpers import WAIT_MS, reply, wait_idle
 
 DOCUMENT = """# Project Falcon status
 
@@ -93,7 +93,7 @@ def test_event_loop_stays_responsive_while_generating(make_window, qtbot):
     timer.setInterval(10)
     timer.timeout.connect(tick)
     timer.start()
-    controller.send("Tell me about the history of the bicycle.")
+    assert controller.send("Tell me about the history of the bicycle.")
     started = time.perf_counter()
     wait_idle(qtbot, controller)
     timer.stop()
@@ -125,8 +125,7 @@ def test_attach_document_shows_fit_verdicts_reads_it_and_the_answer_uses_it(make
     assert dialog.progress.value() == dialog.progress.maximum()
     assert window.pending_names == ["falcon.md"] and window.chips.isVisible()
 
-    controller.send("When is the launch?")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "When is the launch?")
     # The view is drawn from the controller's signals; on a loaded machine the last ones may still be queued.
     qtbot.waitUntil(lambda: len(window.messages.bubbles) == 2, timeout=WAIT_MS)
     assert window.messages.bubbles[0].documents_row.count() > 0
@@ -184,8 +183,7 @@ def test_bad_document_shows_an_error_and_loses_nothing(make_window, qtbot, tmp_p
     controller, window = make_window()
     # A modal box would block the test; the window reports errors in a non-modal banner instead.
     monkeypatch.setattr(QMessageBox, "exec", lambda *_: pytest.fail("no modal dialog expected"))
-    controller.send("What is 2 + 2?")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "What is 2 + 2?")
     before = window.messages.texts()
     window.composer.input.setPlainText("a draft the user is still typing")
     bad = tmp_path / "notes.txt"
@@ -202,15 +200,13 @@ def test_bad_document_shows_an_error_and_loses_nothing(make_window, qtbot, tmp_p
     window.banner.close_button.click()
     assert not window.banner.isVisible()
     # The chat goes on.
-    controller.send("And 3 + 3?")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "And 3 + 3?")
     assert len(window.messages.bubbles) == 4
 
 
 def test_restart_shows_the_same_chat_in_a_new_window(make_window, qtbot):
     controller, window = make_window()
-    controller.send("What is the capital of France?")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "What is the capital of France?")
     shown = window.messages.texts()
     title = window.title_label.text()
     controller.shutdown()
@@ -224,8 +220,7 @@ def test_restart_shows_the_same_chat_in_a_new_window(make_window, qtbot):
 
 def test_compression_slider_switches_live_and_the_panel_shows_the_drop(make_window, qtbot):
     controller, window = make_window()
-    controller.send("What is the capital of France?")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "What is the capital of France?")
     controller.refresh_memory()
     held_16 = window.memory_panel.last_reading.kv_held
     window.compression.choose("4")
@@ -320,8 +315,7 @@ def test_drag_and_drop_a_document_opens_its_fit_dialog_and_stop_cancels_reading(
     assert controller.pending_documents == [] and window.pending_names == []
     assert controller.engine.worker.session.pending_documents == []
     # Nothing is left half-attached: the next question has no document.
-    controller.send("Hello!")
-    wait_idle(qtbot, controller)
+    reply(qtbot, controller, "Hello!")
     assert controller.entries[0].documents == []
 
 
