@@ -296,10 +296,10 @@ def test_keys_before_rope_without_a_tile_at_the_models_rows_take_the_reference_p
 
     spec = "kivi:k4v4:g64:s4:key_block=128:" + ROPE_SPEC.format("false")
     cache = _filled(spec, 300, 128, 16, seed=3)
-    limit = decode.tiled_shared_bytes(128, 8, 128, 32, 4, 4, 64)  # room for 8 rows (the check's), not 16
+    limit = decode.tiled_shared_bytes(128, 8, 128, 32, 4, 4, 64)  # room for 8 rows, not 16
     monkeypatch.setattr(decode, "TILED_SHARED_LIMIT", limit)
     assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128, 16) is None
-    assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128) is not None  # rows unknown: 8
+    assert decode.tiled_tile(Codec("kivi_keys", 4), Codec("affine", 4), 64, 128, 128, 8) is not None
     queries = mx.array(np.random.default_rng(3).standard_normal((1, 16 * N_KV, 1, 128), dtype=np.float32))
     with pytest.raises(ConfigError, match="no tile for 16 query heads per kv head"):
         cache.attention(queries, None, None, scale=0.088, mask=None)  # kernels=require

@@ -211,7 +211,7 @@ def test_caches_without_a_kernel_say_why() -> None:
     def reason(config: KVCacheConfig) -> str | None:
         cache = KVCacheBuilder(config).for_shape(shape).build()[0]
         cache.update_and_fetch(keys, keys)
-        return cache._kernel_unsupported()
+        return cache._kernel_unsupported(shape.n_heads // shape.n_kv_heads)
 
     assert reason(KVCacheConfig("kivi", 4, group_size=64)) is None
     # KIVI's own key blocks and its sinks' copies in the block stream have kernel variants too

@@ -417,9 +417,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         decode kernel to turn them by; None where keys are stored as given."""
         return None
 
-    def _kernel_declines_here(self) -> str | None:
-        """Why the decode kernel cannot read this cache on this device although the config has a variant
-        (e.g. a variant not yet verified on the device's backend); None: it can."""
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        """Why the decode kernel cannot read this cache on this device, for `rows` query heads per kv head,
+        although the config has a variant (e.g. a variant not yet verified on the device's backend); None: it
+        can."""
         return None
 
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
@@ -811,8 +812,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return keys[0], values[0]
         return mx.concatenate(keys, axis=-2), mx.concatenate(values, axis=-2)
 
-    def _kernel_unsupported(self) -> str | None:
-        """Why this cache cannot attend with the decode kernel right now (None: it can)."""
+    def _kernel_unsupported(self, rows: int) -> str | None:
+        """Why this cache cannot attend with the decode kernel right now, for `rows` query heads per kv head
+        (the tiled pass's tile depends on them: threadgroup memory); None: it can."""
         if self._store is None:
             return _NOTHING_COMPRESSED
         if self._k_head_dim != self._v_head_dim or not _kernels.decode.head_dim_supported(self._k_head_dim):
@@ -822,29 +824,29 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codecs = self._kernel_codecs()
         if codecs is None:
             return f"method {self.method_name!r} has no decode kernel"
-        declined = self.kernel_declines(self.config) or self._kernel_declines_here()
+        declined = self.kernel_declines(self.config) or self._kernel_declines_here(rows)
         if declined is not None:
             return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
         layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
         if (
-            _kernels.decode.tiled_tile(codecs[0], codecs[2], *layout) is None
+            _kernels.decode.tiled_tile(codecs[0], codecs[2], *layout, rows) is None
             and _kernels.decode.tile_tokens(codecs[0], *layout) is None
         ):
             return (
                 f"the decode kernel has no tile for group size {self.config.group_size} "
-                f"at head_dim {self._k_head_dim}"
+                f"at head_dim {self._k_head_dim} and {rows} query heads per kv head"
             )
         return None
 
-    def _decode_kernel_backend(self) -> str | None:
+    def _decode_kernel_backend(self, rows: int) -> str | None:
         mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
         if mode == "off":
             return None
         if _kernels.available_backend() is None:
             return _kernels.resolve_backend(mode)  # None, or the "require" error saying why
-        reason = self._kernel_unsupported()
+        reason = self._kernel_unsupported(rows)
         if reason is _NOTHING_COMPRESSED:
             # Nothing compressed to read: the reference path is a plain 16-bit attention (also under "require").
             return None
@@ -874,29 +876,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             and cached[3] == device
         ):
             return cached[4]
-        backend = self._decode_kernel_backend()
+        backend = self._decode_kernel_backend(rows)
         plan = None
         if backend is not None:
             codecs = self._kernel_codecs()
             assert codecs is not None
             key_codec, key_arrays, value_codec, value_arrays = codecs
-            rope = self._kernel_rope()
-            layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
-            # The tiled pass's tile depends on the query rows (threadgroup memory; the cache's own check assumed
-            # TILED_CHECK_ROWS), and only it turns keys stored before RoPE or reads keys on a grid: with no pass for
-            # these rows, the reference path (right, slower), or under kernels=require the error saying why.
-            if _kernels.decode.tiled_tile(key_codec, value_codec, *layout, rows) is None and (
-                rope is not None or _kernels.decode.tile_tokens(key_codec, *layout) is None
-            ):
-                backend = _kernels.resolve_backend(
-                    self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE),
-                    f"the decode kernel has no tile for {rows} query heads per kv head",
-                )
-            if backend is not None:
-                plan = _kernels.plan_decode(
-                    key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
-                    self._k_head_dim, rows, backend, self._kernel_key_block(), rope=rope,
-                )
+            plan = _kernels.plan_decode(
+                key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
+                self._k_head_dim, rows, backend, self._kernel_key_block(), rope=self._kernel_rope(),
+            )
         if self._store is not None:  # "nothing compressed yet" is rechecked until something is
             self._plan_cache = (self._store, self.config, rows, device, plan)
         return plan

@@ -62,8 +62,6 @@ TILED_MIN_TILE = 32
 TILED_RUN = 4
 # Threadgroup memory the tiled pass may declare: Apple GPUs give a threadgroup 32 KB (CUDA's static limit is 48 KB).
 TILED_SHARED_LIMIT = 32 * 1024
-# Query rows per kv head assumed where a check runs before the model's are known (GQA of up to 8 covers common models).
-TILED_CHECK_ROWS = 8
 MAX_SPLITS = 256
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
@@ -946,11 +944,10 @@ def tiled_source() -> KernelSource:
 
 
 def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None,
-               rows: int = 0) -> int | None:
-    """CT of the tiled pass for this pair and layout, or None where it does not apply (see `_TILED_BODY`).
-
-    `rows`: query rows per kv head (0 where not known yet: TILED_CHECK_ROWS). The tile is halved until the pass's
-    threadgroup memory fits TILED_SHARED_LIMIT."""
+               rows: int) -> int | None:
+    """CT of the tiled pass for this pair and layout with `rows` query rows per kv head, or None where it does
+    not apply (see `_TILED_BODY`). The tile is halved until the pass's threadgroup memory fits
+    TILED_SHARED_LIMIT."""
     if not TILED or key.kind != "kivi_keys" or value.kind != "affine":
         return None
     if (key.grid and key.bits > 4) or (value.grid and value.bits > 4):
@@ -967,7 +964,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
         runs = tile // TILED_RUN
         if tile % TILED_RUN or threads % runs or (head_dim // 2) % (threads // runs):
             return None
-        shared = tiled_shared_bytes(head_dim, rows or TILED_CHECK_ROWS, threads, tile, key.bits, value.bits, group_size)
+        shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.bits, value.bits, group_size)
         if shared <= TILED_SHARED_LIMIT:
             return tile
         tile //= 2

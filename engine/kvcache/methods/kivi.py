@@ -297,10 +297,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     @classmethod
     def _rope_kernel_declines(cls, config: KVCacheConfig, rope: RopeParameters, head_dim: int,
-                              rows: int = 0) -> str | None:
+                              rows: int) -> str | None:
         """Why the decode kernel cannot turn the keys of one layer's `config`, stored before `rope`, on this
         device (None: it can); the cache asks it of itself (`_kernel_declines_here`) and rope=auto of every
-        layer before choosing. `rows`: query heads per kv head where known (the tile depends on them)."""
+        layer before choosing, for `rows` query heads per kv head (the tile depends on them)."""
         if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
         if rope.dims != head_dim:
@@ -308,7 +308,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
-            return "only the tiled decode pass turns keys stored before RoPE, and it has no tile for this layout"
+            return (f"only the tiled decode pass turns keys stored before RoPE, and it has no tile for {rows} query "
+                    f"heads per kv head in this layout")
         return None
 
     @classmethod
@@ -330,8 +331,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _kernel_rope(self) -> tuple[mx.array, bool] | None:
         return None if self._rope is None else (self._rope.frequencies(), self._rope.traditional)
 
-    def _kernel_declines_here(self) -> str | None:
-        return None if self._rope is None else self._rope_kernel_declines(self.config, self._rope, self._k_head_dim)
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        if self._rope is None:
+            return None
+        return self._rope_kernel_declines(self.config, self._rope, self._k_head_dim, rows)
 
     @classmethod
     def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:
