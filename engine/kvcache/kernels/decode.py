@@ -422,6 +422,9 @@ _TILED_BODY = """
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
 #define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
 #define S_AT(h, r, t) ((h) * SS + (r) * CTP + (t) + (t) / 32)
+// A phase-1 run's TT codes of the channel row whose first staged word for the run is at `at`, code 0 at bit 0 (a
+// second word where codes straddle words: 3, 5, 6 bits).
+#define RUN_CODES(at) (KSPLIT ? (U32)((((U64)sh_kw[(at) + 1] << 32) | (U64)sh_kw[at]) >> ksh) : sh_kw[at] >> ksh)
   SHARED float sh_qs[D * R + D / 2 + 4];   // queries x the tile's key scales, at QS_AT(channel, row)
   SHARED float sh_kb[D];             // the tile's key biases (refolded, KFOLD)
   SHARED float sh_ks[D];             // ... and scales x KUP (ROPE: each key is decoded and turned by its position)
@@ -586,10 +589,8 @@ _TILED_BODY = """
           const int j = slice * DP + jj;
           const int a = TRAD ? 2 * j : j;
           const int b = TRAD ? 2 * j + 1 : j + D / 2;
-          const int at_a = a * KWP + kw0;
-          const int at_b = b * KWP + kw0;
-          const U32 bits_a = KSPLIT ? (U32)((((U64)sh_kw[at_a + 1] << 32) | (U64)sh_kw[at_a]) >> ksh) : sh_kw[at_a] >> ksh;
-          const U32 bits_b = KSPLIT ? (U32)((((U64)sh_kw[at_b + 1] << 32) | (U64)sh_kw[at_b]) >> ksh) : sh_kw[at_b] >> ksh;
+          const U32 bits_a = RUN_CODES(a * KWP + kw0);
+          const U32 bits_b = RUN_CODES(b * KWP + kw0);
           const float scale_a = sh_ks[a], bias_a = sh_kb[a], scale_b = sh_ks[b], bias_b = sh_kb[b];
           const float freq = sh_rf[j];
           float qa[R], qb[R];
@@ -622,8 +623,7 @@ _TILED_BODY = """
 #pragma unroll
         for (int j = 0; j < DC; ++j) {
           const int d = slice * DC + j;
-          const int at = d * KWP + kw0;
-          const U32 bits = KSPLIT ? (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> ksh) : sh_kw[at] >> ksh;
+          const U32 bits = RUN_CODES(d * KWP + kw0);
           float q[R];
 #pragma unroll
           for (int r = 0; r < R; ++r) q[r] = sh_qs[QS_AT(d, r)];

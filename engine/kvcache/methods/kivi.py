@@ -71,7 +71,8 @@ Sinks and window stay as the model gave them (16-bit: nothing to gain). No `mx.q
 packed keys, so without a GPU kernel attention decodes the compressed keys every step (rope=pre is not a level on
 that account); the tiled decode pass has the variant (template ROPE: each key pair decoded and turned by its
 position), checked against the reference in the CPU emulator and on the H200 (`kernels/decode.py`, ROPE_BACKENDS:
-CUDA and Metal), where it costs the levels at most 4 % of decode speed at 8k and 32k tokens and 6-10 % at 131k.
+CUDA and Metal), where the 4-bit level decodes at 98-103 % of its speed without it at 8k, 32k and 131k tokens
+(BENCHMARKS.md, issue 11's *phase 1 by runs of tokens*; `decode-runs4-rope-h200.json`).
 Option `rope=auto`, which the 4-, 3- and 2-bit levels carry, asks for keys before RoPE only where that kernel will
 turn them (`rope_pre_declines`: a GPU backend in ROPE_BACKENDS, kernels not off, a plain full-width RoPE, a tile
 for the layout) and keys as given elsewhere; the builder resolves it for the model and device, so a built cache's
