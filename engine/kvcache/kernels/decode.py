@@ -58,7 +58,7 @@ TILED_SPREAD_DENSE = False
 TILED_MAX_TILE = 64
 # ...and its smallest, where a smaller tile would fit the threadgroup memory (below: the per-subgroup pass).
 TILED_MIN_TILE = 32
-# Tokens per thread in the tiled pass's phase 1 (TT in `_TILED_BODY`).
+# Tokens per thread in the tiled pass's phase 1 (template TT; at most 4, so 8-bit codes of a run fit two words).
 TILED_RUN = 4
 # Threadgroup memory the tiled pass may declare: Apple GPUs give a threadgroup 32 KB (CUDA's static limit is 48 KB).
 TILED_SHARED_LIMIT = 32 * 1024
@@ -355,7 +355,7 @@ _ATTEND_BODY = """
 # benchmarks/results/kernel-instructions.json). At TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
 # H200) registers limit nothing: the grid sets the occupancy.
 # Template ints as above plus KB, VB (key and value bits), PF (1: each tile loaded during the previous tile's
-# phases) and SD (1: the 16-bit tokens' tiles spread over the splits); CT divides GK and NT, NT/CT threads share
+# phases), SD (1: the 16-bit tokens' tiles spread over the splits) and TT (phase 1's tokens per thread); CT divides GK and NT, NT/CT threads share
 # a 16-bit token in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
 _TILED_BODY = """
   constexpr int TPT = D / 8;           // phase 3: lanes per token (8 channels each)
@@ -374,9 +374,9 @@ _TILED_BODY = """
   // shared word holds several of its codes and one read of a channel's q·s (or, keys before RoPE, of a pair's
   // scales and query rows) serves TT tokens (one token and a word read per code before: ~11 instructions per
   // channel and token, ~6.5 now). A token's partial scores add up by shuffles within a warp, then in phase 2.
-  // TT = 4 rather than 8: the same instructions per code within a few percent, half the accumulators and half the
-  // partial scores in shared memory (Apple GPUs give a threadgroup 32 KB; see tiled_shared_bytes).
-  constexpr int TT = 4;                // phase 1: tokens per thread (decode.TILED_RUN; TT * KB <= 32: one or two words)
+  // TT (template, TILED_RUN = 4) rather than 8: the same instructions per code within a few percent, half the
+  // accumulators and half the partial scores in shared memory (Apple GPUs give a threadgroup 32 KB; see
+  // tiled_shared_bytes). TT * KB <= 32: a run's codes lie in one word or two.
   constexpr int RUNS = CT / TT;        // phase 1: token runs per tile
   constexpr int SLICES = NT / RUNS;    // phase 1: channel slices (partial scores per token)
   constexpr int DC = D / SLICES;       // phase 1: channels per thread
@@ -915,8 +915,8 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
 # Backends where the tiled pass turns keys stored before RoPE (ROPE = 1; KIVI's rope=pre); elsewhere a rope=pre
 # cache attends through the reference path, decoding its keys. The CPU emulator checks it against the reference in
 # the tests; CUDA passed the GPU parity tests on the lent H200 (tests/test_kvcache_kernels.py, positions up to 33k,
-# traditional and not), where the levels decode at most 4 % slower than with keys after RoPE at 8k and 32k tokens
-# and 6-10 % slower at 131k (benchmarks/results/decode-rope-fastsincos-h200.json, decode-rope-levels-h200.json).
+# traditional and not), where the 4-bit level decodes at 98-103 % of its speed with keys after RoPE at 8k, 32k and
+# 131k tokens once phase 1 took runs of tokens (benchmarks/results/decode-runs4-rope-h200.json).
 # Metal runs the same body; its only text of its own is the prelude's SINCOS_PI, RINT and FMA (MSL's precise
 # sin/cos, rint, fma): as with every other kernel here it is enabled by construction, not by a measurement (no Mac
 # here: the GPU parity test runs on one).
@@ -1111,7 +1111,8 @@ def plan_decode(
         source = tiled_source()
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
-                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)), ("SD", int(TILED_SPREAD_DENSE)),
+                    ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
+                    ("SD", int(TILED_SPREAD_DENSE)), ("TT", TILED_RUN),
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])))
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
