@@ -116,8 +116,7 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
         if sweep:
             defaults = {name: getattr(decode_kernels, name) for name in (
                 "TILED", "TILED_TARGET_GROUPS", "UNROLL", "THREADS", "TARGET_GROUPS", "MIN_SPLIT_TOKENS",
-                "TILED_PREFETCH", "TILED_MAX_TILE", "TILED_SHARED_LIMIT",
-                "TILED_SPREAD_DENSE")}
+                "TILED_PREFETCH", "TILED_MAX_TILE", "TILED_SHARED_LIMIT")}
             for variant in variants:
                 for name, value in {**defaults, **variant}.items():
                     setattr(decode_kernels, name, value)

@@ -157,7 +157,7 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.bits),
-                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1), ("SD", 0), ("TT", TILED_RUN),
+                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1), ("TT", TILED_RUN),
                 ("ROPE", int(rope)), ("TRAD", 0), ("CS", 4), ("NS", 4), ("HW", 1), ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
              "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",

@@ -110,16 +110,14 @@ def test_emulated_decode_kernel_matches_reference(spec: str) -> None:
 @pytest.mark.parametrize("spec", ["kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "kivi:k3v3:g32:w9:s4"])
 def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI keys + affine values take the tiled pass by default; its variants (tiles loaded ahead or not,
-    64- or 128-token tiles, the 16-bit tokens' tiles spread over the splits or not) and the per-subgroup pass
+    64- or 128-token tiles) and the per-subgroup pass
     (decode.TILED = False) stay selectable and must stay right too. Each plan names the pass it launched."""
     from engine.kvcache.kernels import decode
 
-    for tiled, prefetch, max_tile, spread in ((True, True, 64, False), (True, False, 64, False), (True, True, 128, False),
-                                              (True, True, 64, True), (True, True, 128, True), (False, True, 64, False)):
+    for tiled, prefetch, max_tile in ((True, True, 64), (True, False, 64), (True, True, 128), (False, True, 64)):
         monkeypatch.setattr(decode, "TILED", tiled)
         monkeypatch.setattr(decode, "TILED_PREFETCH", prefetch)
         monkeypatch.setattr(decode, "TILED_MAX_TILE", max_tile)
-        monkeypatch.setattr(decode, "TILED_SPREAD_DENSE", spread)
         for tokens in (200, 301, 1200):  # past the first 128-token key block; 1200: several splits to merge
             cache = _filled(spec, tokens, 128, 4, seed=tokens)
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
@@ -129,11 +127,10 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
             assert plan is not None
             assert (("KB", 4 if "k4" in spec else 3) if tiled else ("U", decode.UNROLL)) in plan.template
             assert not tiled or ("PF", int(prefetch)) in plan.template
-            assert not tiled or ("SD", int(spread)) in plan.template
             if tokens == 1200:
                 assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
             error = float(mx.max(mx.abs(out - ref)))
-            assert error <= 2e-3, (spec, tiled, prefetch, max_tile, spread, tokens, error)
+            assert error <= 2e-3, (spec, tiled, prefetch, max_tile, tokens, error)
 
 
 ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_traditional={}"

@@ -51,9 +51,6 @@ TARGET_GROUPS = 1024
 TILED_TARGET_GROUPS = 256
 # The tiled pass loads each tile during the previous tile's work (template PF; see `_TILED_BODY`).
 TILED_PREFETCH = True
-# The tiled pass spreads the 16-bit tokens' tiles over the splits instead of the last split taking them all (template
-# SD). Off until timed on a GPU (emulator-tested both ways).
-TILED_SPREAD_DENSE = False
 # The tiled pass's largest tile (tokens staged per round of its three phases; fewer rounds, fewer barriers).
 TILED_MAX_TILE = 64
 # ...and its smallest, where a smaller tile would fit the threadgroup memory (below: the per-subgroup pass).
@@ -355,8 +352,8 @@ _ATTEND_BODY = """
 # benchmarks/results/kernel-instructions.json). At TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
 # H200) registers limit nothing: the grid sets the occupancy.
 # Template ints as above plus KB, VB (key and value bits), PF (1: each tile loaded during the previous tile's
-# phases), SD (1: the 16-bit tokens' tiles spread over the splits) and TT (phase 1's tokens per thread); CT divides GK and NT, NT/CT threads share
-# a 16-bit token in phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
+# phases) and TT (phase 1's tokens per thread); CT divides GK and NT, NT/CT threads share a 16-bit token in phase 1,
+# and NSG = NT / (D/8) token groups share the tile in phase 3.
 _TILED_BODY = """
   constexpr int TPT = D / 8;           // phase 3: lanes per token (8 channels each)
   constexpr int NSG = NT / TPT;        // phase 3: token groups
@@ -404,14 +401,11 @@ _TILED_BODY = """
   const int c_begin = GROUP_X * tiles_per_split * CT;
   const int c_end = (c_begin + tiles_per_split * CT < n_comp) ? c_begin + tiles_per_split * CT : n_comp;
   const int comp_tiles = (c_end > c_begin) ? (c_end - c_begin + CT - 1) / CT : 0;
-  // The 16-bit tokens (sinks, then window) in tiles of CT: all in the last split, or with SD spread one tile a split
-  // from the last split back (the last split then no longer works through its compressed tiles and every dense
-  // tile while the others wait; a dense tile reads 16-bit keys from device memory, slower than a staged tile).
+  // The 16-bit tokens (sinks, then window) in tiles of CT, all in the last split (spreading them one tile a split
+  // over the last splits timed no faster on an H200: benchmarks/results/decode-profile-spread-dense-h200.json).
   const int d_count = NS + n_win;
   const int d_tiles = (d_count + CT - 1) / CT;
-  const int from_end = GROUPS_X - 1 - GROUP_X;
-  const int my_d_tiles = SD ? (from_end < d_tiles ? (d_tiles - from_end + GROUPS_X - 1) / GROUPS_X : 0)
-                            : (from_end == 0 ? d_tiles : 0);
+  const int my_d_tiles = (GROUP_X == GROUPS_X - 1) ? d_tiles : 0;
   const int all_tiles = comp_tiles + my_d_tiles;
   const long k_row = (long)k0_shape[3];          // key code words per channel row
   const long k_groups = (long)k1_shape[3];       // key blocks per channel row
@@ -553,8 +547,7 @@ _TILED_BODY = """
 
   for (int tile = 0; tile < all_tiles; ++tile) {
     const bool dense = tile >= comp_tiles;
-    const int base = dense ? (SD ? (tile - comp_tiles) * GROUPS_X + from_end : tile - comp_tiles) * CT
-                           : c_begin + tile * CT;
+    const int base = dense ? (tile - comp_tiles) * CT : c_begin + tile * CT;
     BARRIER();   // the previous tile's readers of the staged arrays are done
     if (!dense) {
       // Stage the tile in shared memory: key codes, the key block's scales and biases, value codes, scales
@@ -1112,7 +1105,7 @@ def plan_decode(
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
-                    ("SD", int(TILED_SPREAD_DENSE)), ("TT", TILED_RUN),
+                    ("TT", TILED_RUN),
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])))
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
