@@ -26,7 +26,9 @@ every byte once at that bandwidth would reach. With --prefill N, a chunked prefi
 Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
-kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off. Rows:
+kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
+sets a constant of engine.kvcache.kernels.decode (a JSON value) while that spec's caches are filled and timed, so a
+kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`). Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
 or `error` where it failed.
 
@@ -38,12 +40,14 @@ no MLX until `run` (the `velox bench` parser is built from `add_arguments` befor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,6 +123,31 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
         best = max(best, n_bytes / (time.perf_counter() - began))
     del data
     return best
+
+
+def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
+    """Sets constants of engine.kvcache.kernels.decode by name; returns their previous values."""
+    from engine.kvcache.kernels import decode as decode_kernels
+
+    previous = {}
+    for name, value in constants.items():
+        if not hasattr(decode_kernels, name):
+            raise SystemExit(f"engine.kvcache.kernels.decode has no constant {name!r}")
+        previous[name] = getattr(decode_kernels, name)
+        setattr(decode_kernels, name, value)
+    return previous
+
+
+@contextlib.contextmanager
+def spec_constants(spec: str) -> Iterator[str]:
+    """The spec without its `#NAME=VALUE` parts, with those constants set for the block (restored after)."""
+    text, *pairs = spec.split("#")
+    constants = {name: json.loads(value) for name, _, value in (pair.partition("=") for pair in pairs)}
+    previous = set_kernel_constants(constants)
+    try:
+        yield text
+    finally:
+        set_kernel_constants(previous)
 
 
 def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list[Any]:
@@ -231,8 +260,9 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     for spec in specs:
         rows[spec] = {"spec": spec, "context": context}
         try:
-            filled[spec] = make_caches(spec, shape["layers"], shape)
-            fill(filled[spec], context, shape)
+            with spec_constants(spec) as text:
+                filled[spec] = make_caches(text, shape["layers"], shape)
+                fill(filled[spec], context, shape)
             held = cache_bytes(filled[spec])
             rows[spec] |= {"held_bytes": held, "bound_tok_s": bandwidth / (weights + held)}
         except Exception as error:
@@ -243,10 +273,11 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     for _ in range(args.rounds):
         for spec, caches in list(filled.items()):
             try:
-                times = time_decode(model, caches, args.steps, args.warmup)
-                steps[spec].append(times[len(times) // 2])
-                if args.generate:
-                    generated[spec].append(time_generate(model, caches, args.steps, args.warmup))
+                with spec_constants(spec):
+                    times = time_decode(model, caches, args.steps, args.warmup)
+                    steps[spec].append(times[len(times) // 2])
+                    if args.generate:
+                        generated[spec].append(time_generate(model, caches, args.steps, args.warmup))
             except Exception as error:
                 rows[spec]["error"] = _error_text(error)
                 del filled[spec]
@@ -434,13 +465,7 @@ def run(args: argparse.Namespace) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
     constants = json.loads(args.kernel_constants) if getattr(args, "kernel_constants", "") else {}
-    if constants:
-        from engine.kvcache.kernels import decode as decode_kernels
-
-        for name, value in constants.items():
-            if not hasattr(decode_kernels, name):
-                raise SystemExit(f"engine.kvcache.kernels.decode has no constant {name!r}")
-            setattr(decode_kernels, name, value)
+    set_kernel_constants(constants)
 
     record: dict[str, Any] = {
         "schema": "velox-bench/1", "kind": "decode", "device": str(mx.default_device()), "mlx": mx.__version__,
@@ -489,17 +514,19 @@ def run(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {"spec": spec, "context": context}
             caches = None
             try:
-                caches = make_caches(spec, shape["layers"], shape)
-                fill(caches, context, shape)
-                held = cache_bytes(caches)
-                times = time_decode(model, caches, args.steps, args.warmup)
+                with spec_constants(spec) as text:
+                    caches = make_caches(text, shape["layers"], shape)
+                    fill(caches, context, shape)
+                    held = cache_bytes(caches)
+                    times = time_decode(model, caches, args.steps, args.warmup)
                 median = times[len(times) // 2]
                 row |= {
                     "tok_s": 1 / median, "ms": median * 1000, "ms_min": times[0] * 1000, "ms_max": times[-1] * 1000,
                     "held_bytes": held, "bound_tok_s": bandwidth / (weights + held),
                 }
                 if args.generate:
-                    per_token = time_generate(model, caches, args.steps, args.warmup)
+                    with spec_constants(spec):
+                        per_token = time_generate(model, caches, args.steps, args.warmup)
                     row |= {"gen_tok_s": 1 / per_token, "gen_ms": per_token * 1000}
                 if spec == "fp16":
                     reference[context] = row["tok_s"]

@@ -869,6 +869,23 @@ def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> N
     assert fp16["vs_fp16"] == 1.0
 
 
+def test_decode_spec_constants_hold_for_their_spec_only() -> None:
+    """`spec#NAME=VALUE`: the kernel constant is set while that spec's caches are made and timed, then restored,
+    so a variant and the default are timed in one run; an unknown name is an error, not a silent no-op."""
+    from benchmarks.decode import spec_constants
+    from engine.kvcache.kernels import decode as decode_kernels
+
+    default = decode_kernels.TILED_PREFETCH
+    with spec_constants(f"kivi:k2v2:g64#TILED_PREFETCH={json.dumps(not default)}#TILED_MAX_TILE=32") as text:
+        assert text == "kivi:k2v2:g64"
+        assert decode_kernels.TILED_PREFETCH is (not default) and decode_kernels.TILED_MAX_TILE == 32
+    assert decode_kernels.TILED_PREFETCH is default and decode_kernels.TILED_MAX_TILE == 64
+    with spec_constants("fp16") as text:
+        assert text == "fp16"
+    with pytest.raises(SystemExit, match="no constant 'NOT_A_CONSTANT'"), spec_constants("kivi:k2v2#NOT_A_CONSTANT=1"):
+        pass
+
+
 def _decode_record(rows: list[dict]) -> dict:
     shape = {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256, "mlp": 512, "vocab": 512,
              "weight_bits": 4, "weight_group": 64, "dtype": "bfloat16"}

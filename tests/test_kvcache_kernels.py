@@ -25,7 +25,7 @@ from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
-from engine.kvcache.kernels.decode import MERGE_SOURCE, Codec, attend_source, tiled_source
+from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.encode import encode_source
 from tests.kvcache_helpers import filled_then_stepped
 
@@ -159,7 +159,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                 | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32},
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                 {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "KGRID": 1,
-                                 "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "CS": 4, "NS": 4, "HW": 1,
+                                 "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1,
                                  "TD": mx.bfloat16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "ROT": 1,
