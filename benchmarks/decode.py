@@ -28,7 +28,8 @@ Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `m
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
 sets a constant of engine.kvcache.kernels.decode (a JSON value) while that spec's caches are filled and timed, so a
-kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`). Rows:
+kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`; its rows hold
+the cache spec in `spec` and the constants in `kernel_constants`). Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
 or `error` where it failed.
 
@@ -138,11 +139,23 @@ def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
     return previous
 
 
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """(the cache spec, the kernel constants of its `#NAME=VALUE` parts)."""
+    text, *pairs = spec.split("#")
+    return text, {name: json.loads(value) for name, _, value in (pair.partition("=") for pair in pairs)}
+
+
+def spec_row(spec: str, context: int) -> dict[str, Any]:
+    """A result row's start: the cache spec (the one spec syntax, readable by KVCacheConfig.parse) and, for a
+    kernel variant, its constants."""
+    text, constants = split_spec(spec)
+    return {"spec": text, "context": context} | ({"kernel_constants": constants} if constants else {})
+
+
 @contextlib.contextmanager
 def spec_constants(spec: str) -> Iterator[str]:
     """The spec without its `#NAME=VALUE` parts, with those constants set for the block (restored after)."""
-    text, *pairs = spec.split("#")
-    constants = {name: json.loads(value) for name, _, value in (pair.partition("=") for pair in pairs)}
+    text, constants = split_spec(spec)
     previous = set_kernel_constants(constants)
     try:
         yield text
@@ -258,7 +271,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     filled: dict[str, list[Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
     for spec in specs:
-        rows[spec] = {"spec": spec, "context": context}
+        rows[spec] = spec_row(spec, context)
         try:
             with spec_constants(spec) as text:
                 filled[spec] = make_caches(text, shape["layers"], shape)
@@ -511,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
         specs = []  # every row is made
     for spec in specs:
         for context in contexts:
-            row: dict[str, Any] = {"spec": spec, "context": context}
+            row: dict[str, Any] = spec_row(spec, context)
             caches = None
             try:
                 with spec_constants(spec) as text:

@@ -872,7 +872,7 @@ def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> N
 def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     """`spec#NAME=VALUE`: the kernel constant is set while that spec's caches are made and timed, then restored,
     so a variant and the default are timed in one run; an unknown name is an error, not a silent no-op."""
-    from benchmarks.decode import spec_constants
+    from benchmarks.decode import spec_constants, spec_row
     from engine.kvcache.kernels import decode as decode_kernels
 
     default = decode_kernels.TILED_PREFETCH
@@ -882,6 +882,10 @@ def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     assert decode_kernels.TILED_PREFETCH is default and decode_kernels.TILED_MAX_TILE == 64
     with spec_constants("fp16") as text:
         assert text == "fp16"
+    # Its result rows hold the cache spec (the one spec syntax) and the constants apart.
+    assert spec_row("kivi:k2v2:g64#TILED_PREFETCH=false", 9) == {
+        "spec": "kivi:k2v2:g64", "context": 9, "kernel_constants": {"TILED_PREFETCH": False}}
+    assert spec_row("fp16", 9) == {"spec": "fp16", "context": 9}
     with pytest.raises(SystemExit, match="no constant 'NOT_A_CONSTANT'"), spec_constants("kivi:k2v2#NOT_A_CONSTANT=1"):
         pass
 
