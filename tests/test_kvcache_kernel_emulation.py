@@ -202,6 +202,57 @@ def test_emulated_encode_kernel_matches_reference(spec: str) -> None:
             assert error <= 1e-4, (name, error)
 
 
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k3v3:g64:w7:s2", "turboquant:k1v1:g64", "rvq:k4v4:g64",
+                                  "rvq:k3v3:g64:w3:s1", "affine:k4v4:g64", "affine:k3v3:g32:w5:s3", "rotated:k2v2:g64"])
+def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole compressed history decoded in one launch (what a prefill chunk attends over on a GPU) equals the
+    reference decode (codebooks: the same products in float32, then the same casts; affine codes within one unit
+    of the 16-bit dtype), and a prefill chunk's attention through the cache takes it."""
+    launches = []
+    real = kernels.dequantize_history
+    monkeypatch.setattr(kernels, "dequantize_history", lambda *a, **k: launches.append(a[4]) or real(*a, **k))
+    for head_dim in (64, 128):
+        for tokens in (70, 301):
+            cache = _filled(spec, tokens, head_dim, 2, seed=tokens + head_dim)
+            reference = _reference_of(cache)
+            store = cache._compressed_view()
+            for dtype in (mx.float32, mx.float16):
+                got = cache._decoded_history(store, dtype)
+                want = reference._decoded_history(store, dtype)
+                for out, ref in zip(got, want, strict=True):
+                    assert out.shape == ref.shape == (1, N_KV, cache.n_compressed, head_dim)
+                    assert out.dtype == ref.dtype == dtype
+                    error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))
+                    if spec.startswith(("turboquant", "rvq")):
+                        assert float(mx.max(error)) <= 1e-6, spec
+                    else:  # MLX's dequantize rounds scale·code + bias in 16 bits, the kernel once at the end
+                        assert float(mx.max(error / (mx.abs(ref.astype(mx.float32)) + 1e-3))) <= 2**-10, spec
+            assert launches[-1] == cache.n_compressed
+            queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 2 * N_KV, 40, head_dim),
+                                                                                dtype=np.float32))
+            before = len(launches)
+            out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            assert len(launches) == before + 1, "a prefill chunk did not decode the history with the kernel"
+            ref = reference.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            assert float(mx.max(mx.abs(out - ref))) <= 2e-3, spec
+
+
+@pytest.mark.usefixtures("emulated")
+def test_history_decode_kernel_is_left_to_methods_it_reads() -> None:
+    keys = mx.array(np.random.default_rng(0).standard_normal((1, N_KV, 200, 64), dtype=np.float32))
+    assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_backend() is None  # KIVI keys are staged
+    assert _fed("turboquant:k4v4:g64", "off", keys, keys)._dequantize_backend() is None
+    assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_backend() == EMULATE
+
+
+def _fed(spec: str, mode: str, keys: mx.array, values: mx.array):
+    config = KVCacheConfig.parse(spec)
+    config = replace(config, options={**config.options, "kernels": mode})
+    shape = ModelShape(n_layers=1, n_heads=2 * N_KV, n_kv_heads=N_KV, head_dim=keys.shape[-1])
+    return filled_then_stepped(KVCacheBuilder(config).for_shape(shape).build()[0], keys, values)
+
+
 # ----- the emulator itself ----------------------------------------------------------------------------------
 
 _SHUFFLE = KernelSource(

@@ -26,6 +26,7 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
+from engine.kvcache.kernels.dequantize import dequantize_source
 from engine.kvcache.kernels.encode import encode_source
 from tests.kvcache_helpers import filled_then_stepped
 
@@ -37,7 +38,8 @@ CODEC_PAIRS = (
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
 )
 ALL_SOURCES = (
-    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS)
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), *(attend_source(k, v) for k, v in CODEC_PAIRS),
+    *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind != "kivi_keys"),
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -161,6 +163,12 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                 {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "KGRID": 1,
                                  "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1,
                                  "TD": mx.bfloat16}))
+    for key, value in pairs:
+        if key.kind != "kivi_keys":
+            dtypes = {name: dtype for name, dtype in _attend_dtypes(key, value).items() if name[0] in "kv" and name[1:].isdigit()}
+            units.append(_cuda_unit(dequantize_source(key, value), dtypes | {"n_comp_r": mx.uint8},
+                                    {"keys": mx.bfloat16, "values": mx.bfloat16},
+                                    {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "ROT": 1,
                                                    "TO": mx.bfloat16}))
@@ -304,6 +312,30 @@ def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: 
     ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
     error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
     assert np.isfinite(error) and error <= 2e-3, f"rope=pre traditional={traditional} tokens={tokens}: {error}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("spec", [s for s in PARITY_SPECS if s[0] in ("affine", "rotated", "turboquant", "rvq")],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history a prefill chunk attends over, decoded in one launch, against the reference decode on the same
+    device (bf16): codebooks equal (the same float32 products, one rounding), affine codes within one bf16 unit
+    (MLX's dequantize rounds in 16 bits on the way). The parity run behind a backend's place in
+    dequantize.BACKENDS (let in here for the test)."""
+    from engine.kvcache.kernels import dequantize
+
+    monkeypatch.setattr(dequantize, "BACKENDS", (*dequantize.BACKENDS, available_backend()))
+    method, bits, group, window, sinks, *extra = spec
+    for tokens in (70, 4097):
+        cache = _filled(method, bits, group, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)
+        assert cache._dequantize_backend() is not None
+        store = cache._compressed_view()
+        got = cache._decoded_history(store, mx.bfloat16)
+        want = _reference_of(cache)._decoded_history(store, mx.bfloat16)
+        for out, ref in zip(got, want, strict=True):
+            assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
+            error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)) / (mx.abs(ref.astype(mx.float32)) + 1e-3)
+            assert float(mx.max(error)) <= (1e-6 if method in ("turboquant", "rvq") else 2**-7), (spec, tokens)
 
 
 @needs_gpu

@@ -796,8 +796,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         keys: list[mx.array] = []
         values: list[mx.array] = []
         if self._n_compressed:
-            keys.append(self._decode_keys_at(store, 0).astype(dtype))
-            values.append(self._decode_values(store).astype(dtype))
+            history_keys, history_values = self._decoded_history(store, dtype)
+            keys.append(history_keys)
+            values.append(history_values)
         if self.n_window:
             keys.append(self._window_keys.astype(dtype))
             values.append(self._window_values.astype(dtype))
@@ -811,6 +812,31 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if len(keys) == 1:
             return keys[0], values[0]
         return mx.concatenate(keys, axis=-2), mx.concatenate(values, axis=-2)
+
+    def _decoded_history(self, store: dict[str, mx.array], dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """The compressed tokens (`store`, the compressed view) decoded into `dtype`: on a GPU kernel backend in one
+        launch for both roles where the method's codecs have the history-decode kernel (kernels/dequantize.py;
+        `kernels="off"` keeps the reference), else through `_decode_keys_at` and `_decode_values`."""
+        backend = self._dequantize_backend()
+        if backend is None:
+            return self._decode_keys_at(store, 0).astype(dtype), self._decode_values(store).astype(dtype)
+        key_codec, key_arrays, value_codec, value_arrays = self._kernel_codecs()  # type: ignore[misc]
+        dense = self._dense_dtype  # as the reference: decoded into the cache's 16-bit dtype, then cast
+        keys, values = _kernels.dequantize_history(
+            key_codec, key_arrays, value_codec, value_arrays, self._n_compressed, self._k_head_dim,
+            self.config.group_size, dense, backend)
+        return (keys, values) if dense == dtype else (keys.astype(dtype), values.astype(dtype))
+
+    def _dequantize_backend(self) -> str | None:
+        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off" or self._keys_by_position():
+            return None
+        backend = _kernels.available_backend()
+        if backend not in _kernels.dequantize.BACKENDS or self._store is None or self._k_head_dim != self._v_head_dim:
+            return None
+        codecs = self._kernel_codecs()
+        if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim):
+            return None
+        return backend
 
     def _kernel_unsupported(self, rows: int) -> str | None:
         """Why this cache cannot attend with the decode kernel right now, for `rows` query heads per kv head

@@ -11,9 +11,10 @@ cache option `kernels` (`KVCacheConfig(options={"kernels": ...})`):
     "off"      always the reference path.
 
 What the kernels cover: single-token decode attention (one new query token per sequence, no mask or
-mlx-lm's "causal" string, which for one query masks nothing) over every compressed method's storage,
-and, for the codebook methods, the encode of new tokens. Prefill chunks (several query tokens) take the
-reference path under every setting.
+mlx-lm's "causal" string, which for one query masks nothing) over every compressed method's storage; the
+decode of a cache's whole compressed history into 16-bit keys and values, which a prefill chunk attends over
+(affine, rotated, turboquant, rvq: `dequantize.py`, on the backends in its BACKENDS); and, for the codebook methods, the encode of new tokens.
+Prefill chunks (several query tokens) otherwise take the reference path under every setting.
 
 The auto choice on Metal. MLX's Metal `quantized_matmul` has a fast single-row kernel (qmv) for the affine
 and KIVI codes, so `kernels="off"` is a reasonable path there too; but that path is ~10 dependent launches
@@ -30,6 +31,7 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, assemble, available_backend
 from engine.kvcache.kernels.decode import Codec, DecodePlan, decode_attention, plan_decode
+from engine.kvcache.kernels.dequantize import dequantize_history
 
 KERNEL_MODES = ("auto", "require", "off")
 DEFAULT_KERNEL_MODE = "auto"
@@ -75,6 +77,7 @@ __all__ = [
     "available_backend",
     "check_kernel_mode",
     "decode_attention",
+    "dequantize_history",
     "plan_decode",
     "resolve_backend",
 ]

@@ -1,0 +1,103 @@
+"""Decode of a cache's whole compressed history into 16-bit keys and values in one launch: what a prefill chunk
+attends over on a GPU (`SegmentedKVCache._decoded_history`).
+
+A prefill chunk over compressed history decodes each layer's history into a transient 16-bit copy and attends
+with MLX's fused SDPA (base.py). For the codebook methods the reference decode is ~10 MLX operations per role
+over the whole history (the bit unpacking's gathers, shifts and masks, the centroid gather, the norm, the
+casts), each writing a history-sized intermediate in 32 bits: on the H200 a 32k-token prefill into turboquant:4
+ran at 0.76x of the 16-bit cache's speed and rvq:4 at 0.62x, against 0.95x for KIVI (BENCHMARKS.md, issue 11's
+target is 0.8x). Here one thread decodes 8 channels of one token of both roles with the decode kernels' own
+codec macros (`decode._CODEC_MACROS`: the same unpacking and arithmetic as the decode pass), writing the 16-bit
+keys and values once.
+
+The compressed arrays are the cache's whole buffers (capacity >= n tokens; only the first n are read, and passing
+the buffers rather than views avoids the copy MLX makes of a non-contiguous input); n travels as a ruler's length
+(`backend.RULER`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from engine.kvcache.kernels.backend import RULER, KernelSource, kernel
+from engine.kvcache.kernels.decode import _HEADER, Codec
+
+THREADS = 128
+# Backends where caches decode their history with this kernel: the CPU emulator checks it against the reference in
+# the tests; CUDA and Metal join once the GPU parity test (tests/test_kvcache_kernels.py) has passed on them and a
+# 32k prefill has been timed with and without it (written 2026-12-01, without device time left to run either).
+BACKENDS: tuple[str, ...] = ("emulate",)
+# The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys are staged per
+# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize).
+KINDS = ("affine", "codebook", "rvq")
+
+_BODY = """
+  // Template: D (head_dim), G (affine group), TD (output dtype). Thread: 8 channels of one token of one kv head.
+  constexpr int TPT = D / 8;
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)k0_shape[0] * k0_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
+  if (idx < bhs * n * TPT) {
+    const int lane = (int)(idx % TPT);
+    const long token = idx / TPT;          // (bh, c) in row-major order: the output's row
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const long at = token * D + lane * 8;
+    float out[8];
+    float mul;
+    LOAD_KEY(c, out, mul);
+    for (int i = 0; i < 8; ++i) keys[at + i] = static_cast<TD>(out[i] * mul);
+    LOAD_VALUE(c, out, mul);
+    for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
+  }
+"""
+
+
+def supported(key: Codec, value: Codec, head_dim: int) -> bool:
+    """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread)."""
+    return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
+            and not value.grid and head_dim % 8 == 0)
+
+
+@functools.cache
+def dequantize_source(key: Codec, value: Codec) -> KernelSource:
+    """The history-decode kernel for one (key codec, value codec) pair."""
+    return KernelSource(
+        name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}",
+        input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots))),
+        output_names=("keys", "values"),
+        body=_BODY,
+        header=_HEADER,
+        defines=key.macro("KEY") + value.macro("VALUE"),
+    )
+
+
+def dequantize_history(
+    key: Codec,
+    key_arrays: list[mx.array],
+    value: Codec,
+    value_arrays: list[mx.array],
+    n_tokens: int,
+    head_dim: int,
+    group_size: int,
+    dtype: mx.Dtype,
+    backend: str,
+) -> tuple[mx.array, mx.array]:
+    """Keys and values [B, n_kv, n_tokens, head_dim] in `dtype`, decoded from the first `n_tokens` of the codecs'
+    arrays (each [B, n_kv, capacity, ...], in the order `decode._CODEC_MACROS` documents)."""
+    if not supported(key, value, head_dim):
+        raise ValueError(f"The history-decode kernel has no variant for {key} / {value} at head_dim {head_dim}.")
+    batch, n_kv = key_arrays[0].shape[:2]
+    threads = batch * n_kv * n_tokens * (head_dim // 8)
+    shape = (batch, n_kv, n_tokens, head_dim)
+    keys, values = kernel(dequantize_source(key, value), backend)(
+        inputs=[RULER(n_tokens), *key_arrays, *value_arrays],
+        template=[("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)],
+        grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[shape, shape],
+        output_dtypes=[dtype, dtype],
+    )
+    return keys, values
