@@ -23,7 +23,8 @@ can only rewrite a buffer after its warp's next exchange, which every lane reach
 Checks a GPU would not make: a barrier must be reached by every thread of the block, and a shuffle by every
 thread of the warp, at the same line of the body (anything else is undefined behaviour on the GPU); a
 thread's stack must not overflow; float outputs start as NaN (integer outputs as all ones), so an output
-element no thread writes shows up. A read or write out of bounds is not caught (it may crash the process).
+element no thread writes shows up; every input must be as it was when the launch ends (the tiled pass's count
+of finished splits is an input it writes and must set back to zero). A read or write out of bounds is not caught (it may crash the process).
 
 Inputs of a 16-bit float dtype (bfloat16, float16) are passed to the emulator as float32, and template dtypes
 of those types become `float`: the bodies only convert with `(float)x` and `static_cast<TO>(...)`, so this
@@ -142,6 +143,8 @@ inline float u2f(uint32_t c) {
   std::memcpy(&f, &bits, sizeof f);
   return f - 8388608.0f;
 }
+// Blocks run one after another and a block's threads switch only at barriers and shuffles: a plain add is atomic.
+inline uint32_t atomic_inc(uint32_t* p) { return (*p)++; }
 }  // namespace emu
 
 #define SHARED static
@@ -160,6 +163,9 @@ inline float u2f(uint32_t c) {
 #define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
+#define DEVICE_FENCE() ((void)0)
+#define ATOMIC_INC(p) emu::atomic_inc((uint32_t*)(p))
+#define ATOMIC_ZERO(p) (*(uint32_t*)(p) = 0u)
 """
 
 _PRELUDE = """
@@ -422,6 +428,7 @@ class EmulatedKernel:
         types = {name: _TYPES[dtype][1] for name, dtype in zip(_arrays(source), dtypes, strict=True)}
         library = _library(assemble_unit(source, types, template))
 
+        unchanged = [a.copy() for a in arrays]
         every = arrays + outputs
         if any(a.ndim > MAX_DIMS for a in every):
             raise ValueError(f"The emulator passes shapes of at most {MAX_DIMS} dimensions.")
@@ -437,6 +444,10 @@ class EmulatedKernel:
                                         int(threadgroup[0]), self.seed, error, len(error))
         if status:
             raise RuntimeError(f"Emulated kernel {source.name}: {error.value.decode()}")
+        for name, array, before in zip(source.input_names, arrays, unchanged, strict=True):
+            if not np.array_equal(array, before, equal_nan=True):
+                raise RuntimeError(f"Emulated kernel {source.name} left its input {name!r} changed (MLX holds inputs "
+                                   "as immutable arrays: a kernel may use one as scratch only if it restores it).")
         return [mx.array(out).astype(dtype) for out, dtype in zip(outputs, output_dtypes, strict=True)]
 
 
