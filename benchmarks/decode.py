@@ -27,7 +27,7 @@ Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `m
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
-sets a constant of engine.kvcache.kernels.decode (a JSON value) while that spec's caches are filled and timed, so a
+sets a constant of engine.kvcache.kernels.decode or .dequantize (a JSON value) while that spec's caches are filled and timed, so a
 kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`; its rows hold
 the cache spec in `spec` and the constants in `kernel_constants`). Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
@@ -127,15 +127,18 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
 
 
 def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
-    """Sets constants of engine.kvcache.kernels.decode by name; returns their previous values."""
+    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize) by name; returns their
+    previous values."""
     from engine.kvcache.kernels import decode as decode_kernels
+    from engine.kvcache.kernels import dequantize as dequantize_kernels
 
     previous = {}
     for name, value in constants.items():
-        if not hasattr(decode_kernels, name):
-            raise SystemExit(f"engine.kvcache.kernels.decode has no constant {name!r}")
-        previous[name] = getattr(decode_kernels, name)
-        setattr(decode_kernels, name, value)
+        module = next((m for m in (decode_kernels, dequantize_kernels) if hasattr(m, name)), None)
+        if module is None:
+            raise SystemExit(f"engine.kvcache.kernels.decode and .dequantize have no constant {name!r}")
+        previous[name] = getattr(module, name)
+        setattr(module, name, value)
     return previous
 
 
@@ -450,7 +453,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     parser.add_argument("--kernel-constants", default="",
-                        help='JSON {name: value} set on engine.kvcache.kernels.decode first (e.g. {"TILED_PREFETCH": false})')
+                        help='JSON {name: value} set on engine.kvcache.kernels.decode or .dequantize first '
+                             '(e.g. {"TILED_PREFETCH": false})')
     parser.add_argument("--rounds", type=int, default=1,
                         help="N > 1: fill every spec's caches at once per context, then time them in turn N times "
                              "(ratios to fp16 per round; their median and range)")
@@ -566,9 +570,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill:
         prefill_rows = []
         for spec in [s.strip() for s in args.prefill_specs.split(",") if s.strip()]:
-            row = {"spec": spec, "context": args.prefill}
+            row = spec_row(spec, args.prefill)
             try:
-                row |= time_prefill(model, spec, args.prefill, shape)
+                with spec_constants(spec) as text:
+                    row |= time_prefill(model, text, args.prefill, shape)
                 print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s "
                       f"(then decode {row['decode_tok_s_after']:.1f} tok/s)", flush=True)
             except Exception as error:

@@ -886,6 +886,11 @@ def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     assert spec_row("kivi:k2v2:g64#TILED_PREFETCH=false", 9) == {
         "spec": "kivi:k2v2:g64", "context": 9, "kernel_constants": {"TILED_PREFETCH": False}}
     assert spec_row("fp16", 9) == {"spec": "fp16", "context": 9}
+    from engine.kvcache.kernels import dequantize
+
+    with spec_constants('turboquant:k4v4:g64#BACKENDS=["cuda"]') as text:
+        assert text == "turboquant:k4v4:g64" and dequantize.BACKENDS == ["cuda"]
+    assert dequantize.BACKENDS == ("emulate",)
     with pytest.raises(SystemExit, match="no constant 'NOT_A_CONSTANT'"), spec_constants("kivi:k2v2#NOT_A_CONSTANT=1"):
         pass
 
