@@ -762,6 +762,15 @@ def test_importing_the_harness_does_not_load_mlx() -> None:
     assert result.stdout.strip() == "True False"
 
 
+def test_add_refuses_the_needle_and_agreement_parts(tmp_path: Path) -> None:
+    """`quality --add` joins rows to the perplexity sweep only: the needle and agreement parts would be rerun for the
+    named specs alone and replace the committed runs of every level, so they are refused before any work."""
+    done = _velox("bench", "quality", "--add", "--parts", "perplexity,agreement", "--specs", "fp16", "--out",
+                  str(tmp_path))
+    assert done.returncode != 0 and "--add adds perplexity rows only" in done.stderr + done.stdout
+    assert not list(tmp_path.iterdir())
+
+
 def test_add_reads_the_reference_of_a_run_without_an_fp16_row() -> None:
     """`bench quality --add` compares the fp16 reference of the earlier run with its own; a committed run may
     keep no fp16 row, so the reference is what the rows' paired differences imply (it was a StopIteration)."""

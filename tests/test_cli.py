@@ -120,7 +120,18 @@ def test_levels_print_bits_a_parsable_spec_and_figures():
         assert KVCacheConfig.parse(spec) == level.config
         assert figures
     assert all("KL" in line for line in lines[1:])  # every compressed level is in the committed sweep
-    assert all("greedy match" in line for line in lines[1:])  # and in the committed agreement run
+    # ...and its greedy match rate is printed exactly where the committed agreement run measured it (a level chosen
+    # since, such as the 2-bit level of 2026-12-01, waits for the next GPU run: the rule lets an unmeasured
+    # candidate pass, and BENCHMARKS.md's levels table says "not measured")
+    from benchmarks.harness.common import ROOT as BENCH_ROOT
+    from benchmarks.harness.levels import without_device_options
+    from benchmarks.harness.report import load_results
+
+    agreement = load_results(BENCH_ROOT / "benchmarks" / "results").best("quality", "agreement")
+    measured = [KVCacheConfig.parse(row["spec"]) for row in agreement.data["agreement"]["rows"]]
+    for line, level in zip(lines[1:], LEVELS[1:], strict=True):
+        assert ("greedy match" in line) == (without_device_options(level.config) in measured), line
+    assert sum("greedy match" in line for line in lines) >= 3
 
 
 def test_output_into_a_closed_pipe_is_not_an_error():

@@ -260,6 +260,12 @@ def run_quality(ctx: Context) -> dict[str, Any]:
     from benchmarks.harness.specs import parse_specs
 
     parts = set(ctx.args.parts.split(",")) if ctx.args.parts else set(QUALITY_PARTS)
+    if ctx.args.add:
+        # --add joins rows to the perplexity sweep; the needle and agreement parts would be rerun for the named
+        # specs alone and replace the committed runs of every level (made on a GPU), so they are refused.
+        if ctx.args.parts and parts - {"perplexity"}:
+            raise BenchmarkError("--add adds perplexity rows only; rerun needle or agreement without --add.")
+        parts = {"perplexity"}
     previous = read_result(ctx.out, "quality", prefer_full=not ctx.plan.quick) or {}
     if previous.get("quick") != ctx.plan.quick:
         previous = {}

@@ -88,15 +88,19 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     ("3", "3-bit", "kivi:k3v3:g64:s4:key_block=128:rope=auto:wide=0.1", "noticeable quality loss",
      "ppl +7.41% (±0.71) KL 0.0602 top1 85.7% (4094 scored tokens); needle -40.0 points vs fp16 (80 trials); "
      "greedy match 12.6%"),
-    # perplexity x2.2: nothing that attends on packed codes does well at 2.5 bits per value. Keys on Lloyd-Max
-    # levels with rotated values (kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true) lose much less
-    # (+41.5%, KL 0.340; held out +32.1% against +88.7%, near_lossless_lowbits.json) but are not eligible: without
-    # a GPU kernel attention decodes the gridded keys every step (CPU: 3.2 against 8.1 tok/s at 4k tokens,
-    # cpu_decode_probe.json); only the GPU's tiled kernel reads them on their codes (decode-levels-7dc5102-h200.json).
-    # With rope=auto on a GPU: KL 0.487 against 0.699 on the tuning windows (probe, prerope_probe.json), needle
-    # recall 1.3 % (0 % without), decode 0.85x/0.74x/0.58x of fp16 against 0.88x/0.77x/0.62x (H200).
-    ("2", "2-bit", "kivi:k2v2:g64:s4:key_block=128:rope=auto", "poor quality: answers may be wrong or garbled",
-     "ppl +121.78% (±3.68) KL 0.8258 top1 47.5% (4094 scored tokens); greedy match 1.7%"),
+    # Each group quantized at the clipping of its range with the least squared error (clip_search), values stored
+    # after the layer's randomized Hadamard rotation (rotate_values) and the tenth most sensitive layers one bit
+    # wider (wide=0.1; SmolLM2: layers 1, 2, 10, from the bundled calibration of this layout) at 2.49 bits:
+    # perplexity +35.6% on the sweep (KL 0.326) where the plain kivi:k2v2:g64:s4:key_block=128 at 2.39 bits was
+    # +121.8% (KL 0.826); held out on 4k-token windows +39.4% against +133.3% (CPU, near_lossless_2bit_4k.json).
+    # Keys on Lloyd-Max levels with rotated values lose about as much (+41.5%, KL 0.340) but are not eligible:
+    # without a GPU kernel attention decodes the gridded keys every step (cpu_decode_probe.json).
+    # With rope=auto on a GPU (keys before RoPE): held out +18.7% (±1.5) against +73.2% for the plain level with
+    # them (CPU, near_lossless_2bit_4k.json); its needle recall and decode speed there are not yet measured (the
+    # plain level's: recall 1.3 %, decode 0.85x/0.74x/0.58x of fp16 at 8k/32k/131k, H200).
+    ("2", "2-bit", "kivi:k2v2:g64:s4:clip_search=true:key_block=128:rope=auto:rotate_values=true:wide=0.1",
+     "poor quality: answers may be wrong or garbled",
+     "ppl +35.62% (±2.16) KL 0.3257 top1 67.0% (4094 scored tokens)"),
 )
 
 # Where a level's budget of effective bits is counted (the level rule and `velox levels`): head_dim 128 and
