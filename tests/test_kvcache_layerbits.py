@@ -227,6 +227,18 @@ def test_calibration_is_deterministic_and_cached_on_disk(tmp_path: Path, monkeyp
     assert len(list((tmp_path / "calibration").glob("layer_sensitivity-*.json"))) == 2
 
 
+def test_the_probe_keeps_what_a_cache_stores_and_drops_how_it_computes() -> None:
+    """The sweep's caches set prefill_attention (and a user may set kernels): the probe, and so the calibration's
+    key and the layers widened, are those of the same cache without them; keys before RoPE and wide go too."""
+    level = KVCacheConfig.parse("kivi:k2v2:g64:s4:clip_search=true:key_block=128:rope=auto:rotate_values=true:wide=0.1")
+    swept = KVCacheConfig.parse(f"{level}:prefill_attention=auto:kernels=off")
+    probe = sensitivity.probe_config(level)
+    assert str(probe) == "kivi:k2v2:g64:s4:clip_search=true:key_block=128:rotate_values=true"
+    assert sensitivity.probe_config(swept) == probe
+    assert str(sensitivity.probe_config(KVCacheConfig.parse("kivi:k3v3:g64:key_grid=lloyd"))) == \
+        "kivi:k2v2:g64:key_grid=lloyd"  # what is stored stays
+
+
 def test_rank_layers_takes_the_largest_kl_and_breaks_ties_by_index() -> None:
     assert sensitivity.rank_layers([0.1, 0.5, 0.5, 0.2, 0.9], 3) == (1, 2, 4)
     assert sensitivity.rank_layers([0.1, 0.5], 0) == ()

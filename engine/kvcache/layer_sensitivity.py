@@ -67,14 +67,20 @@ CHUNK_TOKENS = 128
 Progress = Callable[[str, float], None]
 
 
+# Options that choose how a cache computes, not what it stores: a calibration (and its key) leaves them out, so the
+# quality sweep's caches (which set prefill_attention) widen the layers the app's do.
+PATH_OPTIONS = ("kernels", "prefill_attention")
+
+
 def probe_config(config: KVCacheConfig) -> KVCacheConfig:
-    """The spec one layer stores during calibration: `config` without `wide`, at PROBE_BITS bits, and with keys as
-    the model gives them (no rope option: KIVI's rope=auto stores them before RoPE only on a GPU, and a level must
+    """The spec one layer stores during calibration: `config` without `wide`, at PROBE_BITS bits, with keys as the
+    model gives them (no rope option: KIVI's rope=auto stores them before RoPE only on a GPU, and a level must
     widen the same layers on every device; on SmolLM2 a probe with keys before RoPE ranked the same three layers
-    first, 1, 10 and 18: benchmarks/results/prerope_option_heldout.json)."""
+    first, 1, 10 and 18: benchmarks/results/prerope_option_heldout.json) and without PATH_OPTIONS."""
     plain = config.without_wide()
-    unturned = {k: v for k, v in plain.options.items() if k != "rope" and not k.startswith("rope_")}
-    return replace(plain, key_bits=PROBE_BITS, value_bits=PROBE_BITS, options=unturned)
+    kept = {k: v for k, v in plain.options.items()
+            if k != "rope" and not k.startswith("rope_") and k not in PATH_OPTIONS}
+    return replace(plain, key_bits=PROBE_BITS, value_bits=PROBE_BITS, options=kept)
 
 
 def prose_calibration_tokens(tokenizer: Any) -> list[int]:
