@@ -27,9 +27,9 @@ Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `m
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
-sets a constant of engine.kvcache.kernels.decode or .dequantize (a JSON value) while that spec's caches are filled and timed, so a
-kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`; its rows hold
-the cache spec in `spec` and the constants in `kernel_constants`). Rows:
+sets a constant of engine.kvcache.kernels.decode or .dequantize (a JSON value) while that spec's caches are filled
+and timed, so a kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`;
+its rows hold the cache spec in `spec` and the constants in `kernel_constants`). Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
 or `error` where it failed.
 

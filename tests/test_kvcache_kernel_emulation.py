@@ -241,9 +241,9 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
 @pytest.mark.usefixtures("emulated")
 def test_history_decode_kernel_is_left_to_methods_it_reads() -> None:
     keys = mx.array(np.random.default_rng(0).standard_normal((1, N_KV, 200, 64), dtype=np.float32))
-    assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_backend() is None  # KIVI keys are staged
-    assert _fed("turboquant:k4v4:g64", "off", keys, keys)._dequantize_backend() is None
-    assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_backend() == EMULATE
+    assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_launch() is None  # KIVI keys are staged
+    assert _fed("turboquant:k4v4:g64", "off", keys, keys)._dequantize_launch() is None
+    assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
 
 
 def _fed(spec: str, mode: str, keys: mx.array, values: mx.array):

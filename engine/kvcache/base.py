@@ -820,17 +820,19 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """The compressed tokens (`store`, the compressed view) decoded into `dtype`: on a GPU kernel backend in one
         launch for both roles where the method's codecs have the history-decode kernel (kernels/dequantize.py;
         `kernels="off"` keeps the reference), else through `_decode_keys_at` and `_decode_values`."""
-        backend = self._dequantize_backend()
-        if backend is None:
+        launch = self._dequantize_launch()
+        if launch is None:
             return self._decode_keys_at(store, 0).astype(dtype), self._decode_values(store).astype(dtype)
-        key_codec, key_arrays, value_codec, value_arrays = self._kernel_codecs()  # type: ignore[misc]
+        backend, (key_codec, key_arrays, value_codec, value_arrays) = launch
         dense = self._dense_dtype  # as the reference: decoded into the cache's 16-bit dtype, then cast
         keys, values = _kernels.dequantize_history(
             key_codec, key_arrays, value_codec, value_arrays, self._n_compressed, self._k_head_dim,
             self.config.group_size, dense, backend)
         return (keys, values) if dense == dtype else (keys.astype(dtype), values.astype(dtype))
 
-    def _dequantize_backend(self) -> str | None:
+    def _dequantize_launch(self) -> tuple[str, tuple[Any, ...]] | None:
+        """(backend, the method's kernel codecs and arrays) where the history-decode kernel decodes this cache, else
+        None."""
         if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off" or self._keys_by_position():
             return None
         backend = _kernels.available_backend()
@@ -839,7 +841,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codecs = self._kernel_codecs()
         if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim):
             return None
-        return backend
+        return backend, codecs
 
     def _kernel_unsupported(self, rows: int) -> str | None:
         """Why this cache cannot attend with the decode kernel right now, for `rows` query heads per kv head

@@ -782,10 +782,6 @@ _TILED_BODY = """
   }
 """
 
-# The merge pass: one threadgroup of NM = max(D, 32) threads per query row (bh·R + r). The splits' maxima and
-# weights are computed in parallel (one split per thread) and reduced across the threadgroup; then each of the
-# first D threads sums one output channel over the splits, loads independent of each other. (A loop over the
-# splits in every thread, each step waiting for its load, cost ~20-40 us a layer at 64-128 splits on an H200.)
 # One query row's merge (bh·R + r) by NTH threads: shared by the merge pass and the tiled pass's own merge (below).
 # In scope: NTH, NWM = NTH / 32, bh, r, splits, and the shared sh_w [MAXS], sh_red [NWM], sh_y [NTH].
 _MERGE_ROW = """
@@ -1232,26 +1228,24 @@ def decode_attention(
     inputs = [queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays]
     template = [*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)]
     part_shapes = [(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)]
+    part_dtypes = [mx.float32, mx.float32, mx.float32]
     signs = _scale_array(1.0) if out_signs is None else out_signs
     rotated = ("ROT", int(out_signs is not None))
-    if plan.counter is not None:  # the pass merges its own splits: one launch
-        *_, out = plan.attend(
-            inputs=[*inputs, signs, _scale_array(1.0 / math.sqrt(head_dim)), plan.counter],
-            template=[*template, ("MAXS", MAX_SPLITS), rotated, ("TO", queries.dtype)],
-            grid=(splits * threads, bh, 1),
-            threadgroup=(threads, 1, 1),
-            output_shapes=[*part_shapes, queries.shape],
-            output_dtypes=[mx.float32, mx.float32, mx.float32, queries.dtype],
-        )
-        return out
-    part_m, part_l, part_o = plan.attend(
+    merged = plan.counter is not None  # the pass merges its own splits: one launch, which also writes the output
+    if merged:
+        inputs += [signs, _scale_array(1.0 / math.sqrt(head_dim)), plan.counter]
+        template += [("MAXS", MAX_SPLITS), rotated, ("TO", queries.dtype)]
+    parts = plan.attend(
         inputs=inputs,
         template=template,
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=part_shapes,
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_shapes=part_shapes + ([queries.shape] if merged else []),
+        output_dtypes=part_dtypes + ([queries.dtype] if merged else []),
     )
+    if merged:
+        return parts[3]
+    part_m, part_l, part_o = parts
     merge_threads = max(32, head_dim)
     (out,) = plan.merge(
         inputs=[part_m, part_l, part_o, signs, _scale_array(1.0 / math.sqrt(head_dim))],

@@ -24,7 +24,8 @@ Checks a GPU would not make: a barrier must be reached by every thread of the bl
 thread of the warp, at the same line of the body (anything else is undefined behaviour on the GPU); a
 thread's stack must not overflow; float outputs start as NaN (integer outputs as all ones), so an output
 element no thread writes shows up; every input must be as it was when the launch ends (the tiled pass's count
-of finished splits is an input it writes and must set back to zero). A read or write out of bounds is not caught (it may crash the process).
+of finished splits is an input it writes and must set back to zero). A read or write out of bounds is not caught
+(it may crash the process).
 
 Inputs of a 16-bit float dtype (bfloat16, float16) are passed to the emulator as float32, and template dtypes
 of those types become `float`: the bodies only convert with `(float)x` and `static_cast<TO>(...)`, so this
