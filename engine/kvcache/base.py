@@ -696,9 +696,6 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if self._store is not None:
             arrays.extend(self._store.values())
         arrays.extend(self._constant_arrays())
-        plan = None if self._plan_cache is None else self._plan_cache[4]
-        if plan is not None and plan.counter is not None:
-            arrays.append(plan.counter)  # the decode kernel's count of finished splits (a few bytes)
         return arrays
 
     # ----- attention ----------------------------------------------------------------------------------------

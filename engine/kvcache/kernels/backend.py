@@ -16,9 +16,6 @@ Every kernel in this package is written once, as a body in a small common dialec
     SINCOS_PI(x,s,c)  s = sin(x), c = cos(x) for |x| <= pi, to ~1e-6 (the hardware's fast sine and cosine on CUDA;
                    a body reduces larger angles itself, with RINT and FMA)
     RINT, FMA      float round-to-nearest-integer and fused multiply-add
-    DEVICE_FENCE() a memory fence across the whole device (what one threadgroup wrote, others see after theirs)
-    ATOMIC_INC(p)  atomically add 1 to the uint32 *p (p may point into an input), returning the old value
-    ATOMIC_ZERO(p) atomically set the uint32 *p to 0
     AS_F32(u)      the float whose bits are the unsigned integer u
     AS_U32(x)      the unsigned integer whose bits are the float x
     U2F(c)         float value of an unsigned code c < 2^23, exactly: the bits of 2^23 + c as a float, minus
@@ -65,9 +62,6 @@ _CUDA_HEADER = """
 #define SINCOS_PI(x, s, c) __sincosf((x), &(s), &(c))
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
-#define DEVICE_FENCE() __threadfence()
-#define ATOMIC_INC(p) atomicAdd((unsigned int*)(p), 1u)
-#define ATOMIC_ZERO(p) atomicExch((unsigned int*)(p), 0u)
 """
 
 _CUDA_PRELUDE = """
@@ -94,9 +88,6 @@ _METAL_HEADER = """
 #define SINCOS_PI(x, s, c) { (s) = metal::precise::sin(x); (c) = metal::precise::cos(x); }
 #define RINT(x) metal::rint(x)
 #define FMA(a, b, c) metal::fma((a), (b), (c))
-#define DEVICE_FENCE() atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)
-#define ATOMIC_INC(p) atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed)
-#define ATOMIC_ZERO(p) atomic_store_explicit((device atomic_uint*)(p), 0u, memory_order_relaxed)
 """
 
 _METAL_PRELUDE = """

@@ -782,102 +782,65 @@ _TILED_BODY = """
   }
 """
 
-# One query row's merge (bh·R + r) by NTH threads: shared by the merge pass and the tiled pass's own merge (below).
-# In scope: NTH, NWM = NTH / 32, bh, r, splits, and the shared sh_w [MAXS], sh_red [NWM], sh_y [NTH].
-_MERGE_ROW = """
-  {
-    BARRIER();   // a previous row's readers of the shared arrays are done
-    float big = -1e30f;
-    for (int s = TID; s < splits; s += NTH) big = FMAX(big, part_m[((long)bh * splits + s) * R + r]);
-    for (int st = 16; st > 0; st >>= 1) big = FMAX(big, LANE_XOR(big, st));
-    if (TID % 32 == 0) sh_red[TID / 32] = big;
-    BARRIER();
-    big = sh_red[0];
-    for (int i = 1; i < NWM; ++i) big = FMAX(big, sh_red[i]);
-    float denominator = 0.0f;
-    for (int s = TID; s < splits; s += NTH) {
-      const long at = ((long)bh * splits + s) * R + r;
-      const float w = EXP(part_m[at] - big);
-      sh_w[s] = w;
-      denominator += w * part_l[at];
-    }
-    for (int st = 16; st > 0; st >>= 1) denominator += LANE_XOR(denominator, st);
-    BARRIER();
-    if (TID % 32 == 0) sh_red[TID / 32] = denominator;
-    BARRIER();
-    denominator = 0.0f;
-    for (int i = 0; i < NWM; ++i) denominator += sh_red[i];
-    float value = 0.0f;
-    if (TID < D) {
-      float numerator = 0.0f;
-#pragma unroll 8
-      for (int s = 0; s < splits; ++s) numerator += sh_w[s] * part_o[(((long)bh * splits + s) * R + r) * D + TID];
-      value = numerator / denominator;
-    }
-    if (ROT) {
-      // The cache's inverse rotation signs ⊙ (H y)/sqrt(D) (oscale = 1/sqrt(D)), H the Sylvester Hadamard matrix,
-      // as an in-place butterfly over the row: stage h maps (a, b) at (i, i|h) to (a + b, a - b).
-      sh_y[TID] = value;
-      BARRIER();
-      for (int h = 1; h < D; h <<= 1) {
-        float mixed = 0.0f;
-        if (TID < D) {
-          const float mine = sh_y[TID];
-          const float other = sh_y[TID ^ h];
-          mixed = (TID & h) ? other - mine : mine + other;
-        }
-        BARRIER();
-        sh_y[TID] = mixed;
-        BARRIER();
-      }
-      value = sh_y[TID] * ((TID < D) ? signs[TID] * oscale[0] : 0.0f);
-    }
-    if (TID < D) out[((long)bh * R + r) * D + TID] = static_cast<TO>(value);
-  }
-"""
-
 # The merge pass: one threadgroup of NM = max(D, 32) threads per query row (bh·R + r). The splits' maxima and
 # weights are computed in parallel (one split per thread) and reduced across the threadgroup; then each of the
 # first D threads sums one output channel over the splits, loads independent of each other. (A loop over the
 # splits in every thread, each step waiting for its load, cost ~20-40 us a layer at 64-128 splits on an H200.)
 _MERGE_BODY = """
-  constexpr int NTH = NM;
   constexpr int NWM = NM / 32;
-  const int bh = GROUP_X / R;
-  const int r = GROUP_X % R;
+  const int row = GROUP_X;
+  const int bh = row / R;
+  const int r = row % R;
   const int splits = part_m_shape[1];
   SHARED float sh_w[MAXS];
   SHARED float sh_red[NWM];
-  SHARED float sh_y[NM];
-""" + _MERGE_ROW
-
-# The tiled pass's own merge (merged_tiled_source): the threadgroup that finishes a kv head's splits last merges
-# them, so a layer's decode attention is one launch instead of two (a custom-kernel launch costs ~14-19 us in a
-# chain of dependent launches on an H200, where a built-in op costs ~9: benchmarks/results/launch-chain-h200.json).
-# CUDA's "last block" pattern: each threadgroup makes its parts visible device-wide (DEVICE_FENCE) before counting
-# itself in `mg_count[bh]` (ATOMIC_INC); the one that counts last reads every split's parts after a second fence,
-# merges the R rows, and sets the count back to zero for the next launch. `mg_count` is an input (uint32 [B·n_kv],
-# zero between launches; one per cache, so no two launches in flight share it) that only this merge writes.
-_MERGE_TAIL = """
-  // The merge's shared arrays live in sh_s (no phase reads it once the parts are written, the merge row's first
-  // barrier orders that), and the "last" flag in sh_corr: the merged pass declares no more threadgroup memory.
-  static_assert(MAXS + NT / 32 + NT <= (NH * SS > NSG * D ? NH * SS : NSG * D), "the merge's arrays fit sh_s");
-#define sh_w (sh_s)
-#define sh_red (sh_s + MAXS)
-#define sh_y (sh_s + MAXS + NT / 32)
-  DEVICE_FENCE();
+  float big = -1e30f;
+  for (int s = TID; s < splits; s += NM) big = FMAX(big, part_m[((long)bh * splits + s) * R + r]);
+  for (int st = 16; st > 0; st >>= 1) big = FMAX(big, LANE_XOR(big, st));
+  if (TID % 32 == 0) sh_red[TID / 32] = big;
   BARRIER();
-  if (TID == 0) sh_corr[0] = (ATOMIC_INC(mg_count + bh) == (U32)(GROUPS_X - 1)) ? 1.0f : 0.0f;
-  BARRIER();
-  if (sh_corr[0] != 0.0f) {
-    DEVICE_FENCE();
-    constexpr int NTH = NT;
-    constexpr int NWM = NT / 32;
-    const int splits = GROUPS_X;
-    for (int r = 0; r < R; ++r)
-""" + _MERGE_ROW + """
-    if (TID == 0) ATOMIC_ZERO(mg_count + bh);
+  big = sh_red[0];
+  for (int i = 1; i < NWM; ++i) big = FMAX(big, sh_red[i]);
+  float denominator = 0.0f;
+  for (int s = TID; s < splits; s += NM) {
+    const long at = ((long)bh * splits + s) * R + r;
+    const float w = EXP(part_m[at] - big);
+    sh_w[s] = w;
+    denominator += w * part_l[at];
   }
+  for (int st = 16; st > 0; st >>= 1) denominator += LANE_XOR(denominator, st);
+  BARRIER();
+  if (TID % 32 == 0) sh_red[TID / 32] = denominator;
+  BARRIER();
+  denominator = 0.0f;
+  for (int i = 0; i < NWM; ++i) denominator += sh_red[i];
+  float value = 0.0f;
+  if (TID < D) {
+    float numerator = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) numerator += sh_w[s] * part_o[(((long)bh * splits + s) * R + r) * D + TID];
+    value = numerator / denominator;
+  }
+  if (ROT) {
+    // The cache's inverse rotation signs ⊙ (H y)/sqrt(D) (oscale = 1/sqrt(D)), H the Sylvester Hadamard matrix,
+    // as an in-place butterfly over the row: stage h maps (a, b) at (i, i|h) to (a + b, a - b).
+    SHARED float sh_y[NM];
+    sh_y[TID] = value;
+    BARRIER();
+    for (int h = 1; h < D; h <<= 1) {
+      float mixed = 0.0f;
+      if (TID < D) {
+        const float mine = sh_y[TID];
+        const float other = sh_y[TID ^ h];
+        mixed = (TID & h) ? other - mine : mine + other;
+      }
+      BARRIER();
+      sh_y[TID] = mixed;
+      BARRIER();
+    }
+    value = sh_y[TID] * ((TID < D) ? signs[TID] * oscale[0] : 0.0f);
+  }
+  if (TID < D) out[(long)row * D + TID] = static_cast<TO>(value);
 """
 
 MERGE_SOURCE = KernelSource(
@@ -952,13 +915,6 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
 # here: the GPU parity test runs on one).
 ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
-# Backends where the tiled pass merges its own splits (`_MERGE_TAIL`: one launch a layer instead of two). The CPU
-# emulator checks it against the reference in the tests; CUDA joins once the GPU parity tests pass with it and a
-# same-run decode timing shows the launch saved (written 2026-12-01 without device time left to run either). Metal
-# stays on the two launches until a Mac runs those tests: the tail's device-scope fence (MSL's atomic_thread_fence
-# with thread_scope_device) and atomics on an input buffer are the only text here no GPU has compiled.
-MERGED_BACKENDS: tuple[str, ...] = ("emulate",)
-
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
@@ -977,19 +933,6 @@ def tiled_source() -> KernelSource:
         output_names=("part_m", "part_l", "part_o"),
         body=_TILED_BODY,
         header=_HEADER,
-    )
-
-
-@functools.cache
-def merged_tiled_source() -> KernelSource:
-    """The tiled pass with its own merge (`_MERGE_TAIL`): writes the attention output itself, one launch a layer."""
-    base = tiled_source()
-    return KernelSource(
-        name="velox_decode_tiled_merged",
-        input_names=(*base.input_names, "signs", "oscale", "mg_count"),
-        output_names=(*base.output_names, "out"),
-        body=base.body + _MERGE_TAIL,
-        header=base.header,
     )
 
 
@@ -1134,9 +1077,6 @@ class DecodePlan:
     tile: int
     threads: int
     target_groups: int
-    # The tiled pass merges its own splits (merged_tiled_source; `merge` unused): its per-kv-head count of finished
-    # splits (uint32 [B·n_kv], zero between launches), held by the cache through its plan and counted in its bytes.
-    counter: mx.array | None = None
 
 
 def plan_decode(
@@ -1159,13 +1099,9 @@ def plan_decode(
     arrays = (*key_arrays, *value_arrays)
     if rope is not None and tiled is None:
         raise ValueError("Only the tiled decode pass turns keys stored before RoPE.")
-    counter = None
     if tiled is not None:
         tile = tiled
         source = tiled_source()
-        if backend in MERGED_BACKENDS:
-            source = merged_tiled_source()
-            counter = mx.zeros((key_arrays[0].shape[0] * key_arrays[0].shape[1],), dtype=mx.uint32)
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
@@ -1188,7 +1124,6 @@ def plan_decode(
         tile=tile,
         threads=threads,
         target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
-        counter=counter,
     )
 
 
@@ -1225,32 +1160,20 @@ def decode_attention(
     splits = split_count(n_compressed, bh, plan.tile, plan.target_groups)
     threads = plan.threads
 
-    inputs = [queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays]
-    template = [*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)]
-    part_shapes = [(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)]
-    part_dtypes = [mx.float32, mx.float32, mx.float32]
-    signs = _scale_array(1.0) if out_signs is None else out_signs
-    rotated = ("ROT", int(out_signs is not None))
-    merged = plan.counter is not None  # the pass merges its own splits: one launch, which also writes the output
-    if merged:
-        inputs += [signs, _scale_array(1.0 / math.sqrt(head_dim)), plan.counter]
-        template += [("MAXS", MAX_SPLITS), rotated, ("TO", queries.dtype)]
-    parts = plan.attend(
-        inputs=inputs,
-        template=template,
+    part_m, part_l, part_o = plan.attend(
+        inputs=[queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays],
+        template=[*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=part_shapes + ([queries.shape] if merged else []),
-        output_dtypes=part_dtypes + ([queries.dtype] if merged else []),
+        output_shapes=[(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    if merged:
-        return parts[3]
-    part_m, part_l, part_o = parts
     merge_threads = max(32, head_dim)
     (out,) = plan.merge(
-        inputs=[part_m, part_l, part_o, signs, _scale_array(1.0 / math.sqrt(head_dim))],
-        template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS), rotated,
-                  ("TO", queries.dtype)],
+        inputs=[part_m, part_l, part_o, _scale_array(1.0) if out_signs is None else out_signs,
+                _scale_array(1.0 / math.sqrt(head_dim))],
+        template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS),
+                  ("ROT", int(out_signs is not None)), ("TO", queries.dtype)],
         grid=(bh * rows * merge_threads, 1, 1),
         threadgroup=(merge_threads, 1, 1),
         output_shapes=[queries.shape],

@@ -144,8 +144,6 @@ inline float u2f(uint32_t c) {
   std::memcpy(&f, &bits, sizeof f);
   return f - 8388608.0f;
 }
-// Blocks run one after another and a block's threads switch only at barriers and shuffles: a plain add is atomic.
-inline uint32_t atomic_inc(uint32_t* p) { return (*p)++; }
 }  // namespace emu
 
 #define SHARED static
@@ -164,9 +162,6 @@ inline uint32_t atomic_inc(uint32_t* p) { return (*p)++; }
 #define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
-#define DEVICE_FENCE() ((void)0)
-#define ATOMIC_INC(p) emu::atomic_inc((uint32_t*)(p))
-#define ATOMIC_ZERO(p) (*(uint32_t*)(p) = 0u)
 """
 
 _PRELUDE = """
