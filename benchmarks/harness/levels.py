@@ -242,4 +242,8 @@ def measured_figures(row: dict[str, Any], use: dict[str, Any] | None = None) -> 
     agreement = (use or {}).get("agreement", {})
     if agreement.get("measured"):
         text += f"; greedy match {100 * agreement['match_rate']:.1f}%"
+    # Said outright, so a line without them does not read as a level that passed them.
+    missing = [name for name, part in (("needle", needle), ("greedy match", agreement)) if not part.get("measured")]
+    if missing:
+        text += f"; {' and '.join(missing)} not measured"
     return text

@@ -101,7 +101,7 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # there is not yet measured (the plain level's: 0.85x/0.74x/0.58x of fp16 at 8k/32k/131k).
     ("2", "2-bit", "kivi:k2v2:g64:s4:clip_search=true:key_block=128:rope=auto:rotate_values=true:wide=0.1",
      "poor quality: answers may be wrong or garbled",
-     "ppl +35.62% (±2.16) KL 0.3257 top1 67.0% (4094 scored tokens)"),
+     "ppl +35.62% (±2.16) KL 0.3257 top1 67.0% (4094 scored tokens); needle and greedy match not measured"),
 )
 
 # Where a level's budget of effective bits is counted (the level rule and `velox levels`): head_dim 128 and
