@@ -8,7 +8,8 @@ casts), each writing a history-sized intermediate in 32 bits: on the H200 a 32k-
 ran at 0.76x of the 16-bit cache's speed and rvq:4 at 0.62x, against 0.95x for KIVI (BENCHMARKS.md, issue 11's
 target is 0.8x). Here one thread decodes 8 channels of one token of both roles with the decode kernels' own
 codec macros (`decode._CODEC_MACROS`: the same unpacking and arithmetic as the decode pass), writing the 16-bit
-keys and values once.
+keys and values once: in the same run turboquant:4 then prefilled at 0.94x and rvq:4 at 0.91x
+(benchmarks/results/prefill-dequantize-ab-h200.json).
 
 The compressed arrays are the cache's whole buffers (capacity >= n tokens; only the first n are read, and passing
 the buffers rather than views avoids the copy MLX makes of a non-contiguous input); n travels as a ruler's length
