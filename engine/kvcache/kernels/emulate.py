@@ -23,8 +23,8 @@ can only rewrite a buffer after its warp's next exchange, which every lane reach
 Checks a GPU would not make: a barrier must be reached by every thread of the block, and a shuffle by every
 thread of the warp, at the same line of the body (anything else is undefined behaviour on the GPU); a
 thread's stack must not overflow; float outputs start as NaN (integer outputs as all ones), so an output
-element no thread writes shows up; every input must be as it was when the launch ends (the tiled pass's count
-of finished splits is an input it writes and must set back to zero). A read or write out of bounds is not caught
+element no thread writes shows up; every input must be as it was when the launch ends (MLX treats inputs as
+immutable: a kernel may use one as scratch only if it restores it). A read or write out of bounds is not caught
 (it may crash the process).
 
 Inputs of a 16-bit float dtype (bfloat16, float16) are passed to the emulator as float32, and template dtypes
