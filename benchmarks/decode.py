@@ -45,6 +45,7 @@ import contextlib
 import gc
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -298,8 +299,9 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                 rows[spec]["error"] = _error_text(error)
                 del filled[spec]
 
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
+    # statistics.median: with an even number of rounds the mean of the middle two, so a row's tok/s and its ratio
+    # to fp16 come from the same rounds (the upper middle alone gave the slower step but the higher ratio).
+    median = statistics.median
 
     out = []
     for spec, row in rows.items():

@@ -896,6 +896,24 @@ def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> N
     assert fp16["vs_fp16"] == 1.0
 
 
+def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an even number of rounds the median is the mean of the middle two, for the step and for the ratio
+    alike (taking the upper middle gave a row the slower step but the higher ratio: two different rounds)."""
+    import argparse
+
+    from benchmarks import decode
+
+    step_seconds = {"fp16": iter([0.010, 0.010]), "kivi:k4v4:g64": iter([0.020, 0.010])}  # per round
+    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
+    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
+    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
+    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    args = argparse.Namespace(rounds=2, steps=1, warmup=0, generate=False)
+    _, kivi = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1)
+    assert kivi["ms"] == pytest.approx(15.0) and kivi["tok_s"] == pytest.approx(1000 / 15.0)
+    assert kivi["vs_fp16"] == pytest.approx(0.75) and kivi["vs_fp16_range"] == pytest.approx([0.5, 1.0])
+
+
 def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     """`spec#NAME=VALUE`: the kernel constant is set while that spec's caches are made and timed, then restored,
     so a variant and the default are timed in one run; an unknown name is an error, not a silent no-op."""
