@@ -27,7 +27,7 @@ Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `m
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
-sets a constant of engine.kvcache.kernels.decode or .dequantize (a JSON value) while that spec's caches are filled
+sets a constant of engine.kvcache.kernels.decode, .dequantize or .encode (a JSON value) while that spec's caches are filled
 and timed, so a kernel variant and the default are timed in the same run (e.g. `kivi:k2v2:g64#TILED_PREFETCH=false`;
 its rows hold the cache spec in `spec` and the constants in `kernel_constants`). Rows:
 `spec`, `context`, `tok_s`, `ms`, `bound_tok_s`, `held_bytes`, `vs_fp16`, `gen_tok_s`, `gen_ms`, `gen_vs_fp16`,
@@ -128,16 +128,17 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
 
 
 def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
-    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize) by name; returns their
-    previous values."""
+    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize or .encode) by name;
+    returns their previous values."""
     from engine.kvcache.kernels import decode as decode_kernels
     from engine.kvcache.kernels import dequantize as dequantize_kernels
+    from engine.kvcache.kernels import encode as encode_kernels
 
     previous = {}
     for name, value in constants.items():
-        module = next((m for m in (decode_kernels, dequantize_kernels) if hasattr(m, name)), None)
+        module = next((m for m in (decode_kernels, dequantize_kernels, encode_kernels) if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"engine.kvcache.kernels.decode and .dequantize have no constant {name!r}")
+            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize and .encode have no constant {name!r}")
         previous[name] = getattr(module, name)
         setattr(module, name, value)
     return previous
@@ -455,7 +456,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
     parser.add_argument("--kernel-constants", default="",
-                        help='JSON {name: value} set on engine.kvcache.kernels.decode or .dequantize first '
+                        help='JSON {name: value} set on engine.kvcache.kernels.decode, .dequantize or .encode first '
                              '(e.g. {"TILED_PREFETCH": false})')
     parser.add_argument("--rounds", type=int, default=1,
                         help="N > 1: fill every spec's caches at once per context, then time them in turn N times "

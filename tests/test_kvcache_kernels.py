@@ -38,7 +38,7 @@ CODEC_PAIRS = (
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
 )
 ALL_SOURCES = (
-    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2),
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, "serial"), encode_source(2, "serial"),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind != "kivi_keys"),
 )
@@ -362,9 +362,10 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int) -> Non
     """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
     value sits within float rounding of a boundary: at most 1 in 10,000)."""
     config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
-    cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    head_dim = 64 if bits == 3 else 128  # 3-bit codes straddle words at either width
+    cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
     rng = np.random.default_rng(bits)
-    keys = mx.array(rng.standard_normal((1, 2, 777, 128), dtype=np.float32)).astype(mx.bfloat16)
+    keys = mx.array(rng.standard_normal((1, 2, 777, head_dim), dtype=np.float32)).astype(mx.bfloat16)
     cache._setup_from(keys, keys)
     rotated = cache._keys_in(keys).astype(mx.bfloat16)
     fused = cache._encode(rotated, rotated)

@@ -4,8 +4,11 @@ packing (and RVQ's residual stage) in one launch per role.
 The pure-MLX encode (`RotatedCodebookKVCache._encode_role`) is ~30 small operations per role (norm,
 division, one comparison and sum per boundary chunk, the packing's shifts, sums and stacks); while decoding
 they run for one token per layer and step, so their launches, not their arithmetic, set the time. Here one
-thread encodes one vector (a token of one kv head), so a decode step's encode is one launch of
-batch × kv_heads threads, and a 4,096-token prefill chunk's is 32k threads.
+launch encodes every new vector of a role. A warp of 32 lanes encodes one vector (a token of one kv head):
+each lane loads and codes D/32 of its coordinates, the norm (and RVQ's residual sums) are warp reductions,
+and the codes meet in shared memory, where each lane packs whole 32-bit words. The first form gave each
+vector one thread, which walked its D coordinates one after another (twice more for RVQ's residual): while
+decoding that is a launch of batch × kv_heads threads, each waiting on D dependent reads of device memory.
 
 The arithmetic follows the reference exactly: u = x / max(‖x‖, tiny), code = number of boundaries below u
 (equal goes down), codes packed as a little-endian bit stream (`quant/bitpack.py`); RVQ's residual
@@ -23,9 +26,97 @@ import mlx.core as mx
 
 from engine.kvcache.kernels.backend import KernelSource, kernel
 
-THREADS = 64
+THREADS = 64  # the serial layout: one thread per vector
+WARP_THREADS = 128  # the warp layout: 4 vectors (one warp each) per threadgroup
+# Which body encodes: "warp" (a warp per vector) or "serial" (a thread per vector, the first form, kept until the
+# two are timed side by side on a GPU: `benchmarks/decode.py --specs 'turboquant:k4v4:g64#ENCODE_LAYOUT="serial"'`).
+ENCODE_LAYOUT = "warp"
 
-_ENCODE_BODY = """
+_WARP_BODY = """
+  // One warp (32 lanes) per vector, NT / 32 vectors per threadgroup: lane l holds dims l, l + 32, ... (coalesced
+  // loads), the sums are warp reductions, and the codes meet in shared memory to be packed a word per lane.
+  constexpr int VPG = NT / 32;
+  constexpr int P = (D + 31) / 32;
+  const int lane = TID & 31;
+  const int slot = TID >> 5;
+  const long row = (long)GROUP_X * VPG + slot;
+  const long n_rows = (long)xin_shape[0] * xin_shape[1] * xin_shape[2];
+  const bool valid = row < n_rows;
+  const long base = (valid ? row : 0) * D;
+  SHARED U32 sh_codes[VPG * D];
+  float x[P];
+  float ss = 0.0f;
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    x[p] = (valid && d < D) ? (float)xin[base + d] : 0.0f;
+    ss += x[p] * x[p];
+  }
+  for (int m = 16; m > 0; m >>= 1) ss += LANE_XOR(ss, m);
+  const float norm = sqrt(ss);
+  const float denom = FMAX(norm, 1e-30f);
+  if (valid && lane == 0) norms[row] = static_cast<TN>(norm);
+  float r2 = 0.0f;
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    if (d < D) {
+      const float u = x[p] / denom;
+      int code = 0;
+      for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
+      sh_codes[slot * D + d] = (U32)code;
+      if (STAGES == 2) { x[p] = u - cen1[code]; r2 += x[p] * x[p]; }
+    }
+  }
+  BARRIER();
+  // Word w holds stream bits [32w, 32w + 32): codes floor(32w / B) .. while their first bit is below 32w + 32;
+  // a code that began in the word before adds its high bits (shifted right), one running past the end its low.
+  if (valid) {
+    for (int w = lane; w < D * B1 / 32; w += 32) {
+      U32 word = 0;
+      for (int d = (32 * w) / B1; d < D && d * B1 < 32 * w + 32; ++d) {
+        const int shift = d * B1 - 32 * w;
+        const U32 c = sh_codes[slot * D + d];
+        word |= shift >= 0 ? (c << shift) : (c >> (-shift));
+      }
+      packed[row * (D * B1 / 32) + w] = word;
+    }
+  }
+#if STAGES == 2
+  for (int m = 16; m > 0; m >>= 1) r2 += LANE_XOR(r2, m);
+  const float rdenom = FMAX(sqrt(r2 / D), 1e-30f);
+  float dot = 0.0f;
+  float sq = 0.0f;
+  BARRIER();  // every lane has packed the first stage's codes before they are overwritten
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    if (d < D) {
+      const float z = x[p] / rdenom;
+      int code2 = 0;
+      for (int j = 0; j < NB2; ++j) code2 += (z > bnd2[j]) ? 1 : 0;
+      const float c2 = cen2[code2];
+      dot += x[p] * c2;
+      sq += c2 * c2;
+      sh_codes[slot * D + d] = (U32)code2;
+    }
+  }
+  for (int m = 16; m > 0; m >>= 1) dot += LANE_XOR(dot, m);
+  for (int m = 16; m > 0; m >>= 1) sq += LANE_XOR(sq, m);
+  BARRIER();
+  if (valid) {
+    for (int w = lane; w < D * B2 / 32; w += 32) {
+      U32 word = 0;
+      for (int d = (32 * w) / B2; d < D && d * B2 < 32 * w + 32; ++d) {
+        const int shift = d * B2 - 32 * w;
+        const U32 c = sh_codes[slot * D + d];
+        word |= shift >= 0 ? (c << shift) : (c >> (-shift));
+      }
+      residual[row * (D * B2 / 32) + w] = word;
+    }
+    if (lane == 0) rscales[row] = static_cast<TN>(dot / FMAX(sq, 1e-30f));
+  }
+#endif
+"""
+
+_SERIAL_BODY = """
   const long row = (long)GROUP_X * NT + TID;
   const long n_rows = (long)xin_shape[0] * xin_shape[1] * xin_shape[2];
   if (row < n_rows) {
@@ -80,17 +171,19 @@ _ENCODE_BODY = """
 
 
 @functools.cache
-def encode_source(stages: int) -> KernelSource:
-    """The encode kernel for one (turboquant) or two (rvq) codebook stages."""
+def encode_source(stages: int, layout: str = "warp") -> KernelSource:
+    """The encode kernel for one (turboquant) or two (rvq) codebook stages, in `layout` ("warp" or "serial")."""
     if stages not in (1, 2):
         raise ValueError(f"The codebook encode kernel has one or two stages, not {stages}.")
+    if layout not in ("warp", "serial"):
+        raise ValueError(f"The codebook encode kernel's layout is 'warp' or 'serial', not {layout!r}.")
     inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ())
     outputs = ("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
     return KernelSource(
-        name=f"velox_codebook_encode{stages}",
+        name=f"velox_codebook_encode{stages}" + ("_serial" if layout == "serial" else ""),
         input_names=inputs,
         output_names=outputs,
-        body=_ENCODE_BODY,
+        body=_WARP_BODY if layout == "warp" else _SERIAL_BODY,
         defines=f"#define STAGES {stages}\n",
     )
 
@@ -111,7 +204,10 @@ def codebook_encode(
     *lead, n, head_dim = vectors.shape
     rows = lead[0] * lead[1] * n
     inputs = []
-    template: list[tuple[str, object]] = [("D", head_dim), ("NT", THREADS), ("TN", norm_dtype)]
+    layout = ENCODE_LAYOUT
+    threads = WARP_THREADS if layout == "warp" else THREADS
+    per_group = threads // 32 if layout == "warp" else threads  # vectors per threadgroup
+    template: list[tuple[str, object]] = [("D", head_dim), ("NT", threads), ("TN", norm_dtype)]
     output_shapes = [(*lead, n, 1), (*lead, n, head_dim * stages[0][0] // 32)]
     output_dtypes = [norm_dtype, mx.uint32]
     for index, (bits, centroids, boundaries) in enumerate(stages, start=1):
@@ -120,13 +216,13 @@ def codebook_encode(
     if len(stages) == 2:
         output_shapes += [(*lead, n, head_dim * stages[1][0] // 32), (*lead, n, 1)]
         output_dtypes += [mx.uint32, norm_dtype]
-    run = kernel(encode_source(len(stages)), backend)
-    groups = (rows + THREADS - 1) // THREADS
+    run = kernel(encode_source(len(stages), layout), backend)
+    groups = (rows + per_group - 1) // per_group
     return run(
         inputs=[vectors, *inputs],
         template=template,
-        grid=(groups * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(groups * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=output_shapes,
         output_dtypes=output_dtypes,
     )
