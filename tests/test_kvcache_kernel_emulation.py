@@ -182,18 +182,13 @@ def test_rope_kernel_waits_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.usefixtures("emulated")
-@pytest.mark.parametrize("layout", ["warp", "serial"])
 @pytest.mark.parametrize("spec,head_dim", [("turboquant:k4v4:g64", 128), ("turboquant:k1v1:g64", 128),
                                            ("turboquant:k3v3:g64", 64), ("rvq:k3v3:g64", 128), ("rvq:k4v4:g64", 64),
                                            ("rvq:k2v2:g64", 256)])
-def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int, layout: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> None:
     """The fused encode's codes, norms and residual scales (a code may differ where a value sits within
-    float rounding of a boundary: at most 1 in 1,000 packed words), in both layouts; 3-bit codes straddle words, and
-    301 tokens of 2 heads leave the last threadgroup part-empty."""
-    from engine.kvcache.kernels import encode
-
-    monkeypatch.setattr(encode, "ENCODE_LAYOUT", layout)
+    float rounding of a boundary: at most 1 in 1,000 packed words); 3-bit codes straddle words, and 301 tokens of
+    2 heads leave the last threadgroup part-empty."""
     cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
     keys = mx.array(np.random.default_rng(3).standard_normal((1, 2, 301, head_dim), dtype=np.float32))
     cache._setup_from(keys, keys)

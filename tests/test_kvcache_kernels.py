@@ -38,7 +38,7 @@ CODEC_PAIRS = (
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
 )
 ALL_SOURCES = (
-    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, "serial"), encode_source(2, "serial"),
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind != "kivi_keys"),
 )
@@ -155,7 +155,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,
                                                     "rscales": mx.bfloat16, "packed": mx.uint32, "residual": mx.uint32}
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
-                                {"D": 128, "NT": 64, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
+                                {"D": 128, "NT": 128, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
     for rope in (0, 1):  # keys as given; keys stored before RoPE (KIVI's rope=pre)
         units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine)

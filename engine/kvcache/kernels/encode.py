@@ -8,7 +8,9 @@ launch encodes every new vector of a role. A warp of 32 lanes encodes one vector
 each lane loads and codes D/32 of its coordinates, the norm (and RVQ's residual sums) are warp reductions,
 and the codes meet in shared memory, where each lane packs whole 32-bit words. The first form gave each
 vector one thread, which walked its D coordinates one after another (twice more for RVQ's residual): while
-decoding that is a launch of batch × kv_heads threads, each waiting on D dependent reads of device memory.
+decoding, a launch of batch × kv_heads threads each waiting on D reads of device memory. Timed side by side
+on the H200 (BENCHMARKS.md, `decode-encode-ab-h200.json`), the warp layout decoded rvq 6-20 % faster
+(turboquant: within the rounds' spread).
 
 The arithmetic follows the reference exactly: u = x / max(‖x‖, tiny), code = number of boundaries below u
 (equal goes down), codes packed as a little-endian bit stream (`quant/bitpack.py`); RVQ's residual
@@ -26,13 +28,9 @@ import mlx.core as mx
 
 from engine.kvcache.kernels.backend import KernelSource, kernel
 
-THREADS = 64  # the serial layout: one thread per vector
-WARP_THREADS = 128  # the warp layout: 4 vectors (one warp each) per threadgroup
-# Which body encodes: "warp" (a warp per vector) or "serial" (a thread per vector, the first form, kept until the
-# two are timed side by side on a GPU: `benchmarks/decode.py --specs 'turboquant:k4v4:g64#ENCODE_LAYOUT="serial"'`).
-ENCODE_LAYOUT = "warp"
+THREADS = 128  # 4 vectors, one warp each, per threadgroup
 
-_WARP_BODY = """
+_ENCODE_BODY = """
   // One warp (32 lanes) per vector, NT / 32 vectors per threadgroup: lane l holds dims l, l + 32, ... (coalesced
   // loads), the sums are warp reductions, and the codes meet in shared memory to be packed a word per lane.
   constexpr int VPG = NT / 32;
@@ -116,74 +114,20 @@ _WARP_BODY = """
 #endif
 """
 
-_SERIAL_BODY = """
-  const long row = (long)GROUP_X * NT + TID;
-  const long n_rows = (long)xin_shape[0] * xin_shape[1] * xin_shape[2];
-  if (row < n_rows) {
-    constexpr int W1 = D * B1 / 32;
-    const long base = row * D;
-    float ss = 0.0f;
-    for (int d = 0; d < D; ++d) { const float v = (float)xin[base + d]; ss += v * v; }
-    const float norm = sqrt(ss);
-    const float denom = FMAX(norm, 1e-30f);
-    norms[row] = static_cast<TN>(norm);
-    U64 acc = 0;
-    int nbits = 0;
-    int w = 0;
-    float r2 = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      const float u = (float)xin[base + d] / denom;
-      int code = 0;
-      for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
-      acc |= ((U64)code) << nbits;
-      nbits += B1;
-      if (nbits >= 32) { packed[row * W1 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
-      if (STAGES == 2) { const float r = u - cen1[code]; r2 += r * r; }
-    }
-#if STAGES == 2
-    constexpr int W2 = D * B2 / 32;
-    const float rms = sqrt(r2 / D);
-    const float rdenom = FMAX(rms, 1e-30f);
-    acc = 0;
-    nbits = 0;
-    w = 0;
-    float dot = 0.0f;
-    float sq = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      const float u = (float)xin[base + d] / denom;
-      int code = 0;
-      for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
-      const float r = u - cen1[code];
-      const float z = r / rdenom;
-      int code2 = 0;
-      for (int j = 0; j < NB2; ++j) code2 += (z > bnd2[j]) ? 1 : 0;
-      const float c2 = cen2[code2];
-      dot += r * c2;
-      sq += c2 * c2;
-      acc |= ((U64)code2) << nbits;
-      nbits += B2;
-      if (nbits >= 32) { residual[row * W2 + w] = (U32)(acc & 0xffffffffu); ++w; acc >>= 32; nbits -= 32; }
-    }
-    rscales[row] = static_cast<TN>(dot / FMAX(sq, 1e-30f));
-#endif
-  }
-"""
 
 
 @functools.cache
-def encode_source(stages: int, layout: str = "warp") -> KernelSource:
-    """The encode kernel for one (turboquant) or two (rvq) codebook stages, in `layout` ("warp" or "serial")."""
+def encode_source(stages: int) -> KernelSource:
+    """The encode kernel for one (turboquant) or two (rvq) codebook stages."""
     if stages not in (1, 2):
         raise ValueError(f"The codebook encode kernel has one or two stages, not {stages}.")
-    if layout not in ("warp", "serial"):
-        raise ValueError(f"The codebook encode kernel's layout is 'warp' or 'serial', not {layout!r}.")
     inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ())
     outputs = ("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
     return KernelSource(
-        name=f"velox_codebook_encode{stages}" + ("_serial" if layout == "serial" else ""),
+        name=f"velox_codebook_encode{stages}",
         input_names=inputs,
         output_names=outputs,
-        body=_WARP_BODY if layout == "warp" else _SERIAL_BODY,
+        body=_ENCODE_BODY,
         defines=f"#define STAGES {stages}\n",
     )
 
@@ -204,10 +148,7 @@ def codebook_encode(
     *lead, n, head_dim = vectors.shape
     rows = lead[0] * lead[1] * n
     inputs = []
-    layout = ENCODE_LAYOUT
-    threads = WARP_THREADS if layout == "warp" else THREADS
-    per_group = threads // 32 if layout == "warp" else threads  # vectors per threadgroup
-    template: list[tuple[str, object]] = [("D", head_dim), ("NT", threads), ("TN", norm_dtype)]
+    template: list[tuple[str, object]] = [("D", head_dim), ("NT", THREADS), ("TN", norm_dtype)]
     output_shapes = [(*lead, n, 1), (*lead, n, head_dim * stages[0][0] // 32)]
     output_dtypes = [norm_dtype, mx.uint32]
     for index, (bits, centroids, boundaries) in enumerate(stages, start=1):
@@ -216,13 +157,13 @@ def codebook_encode(
     if len(stages) == 2:
         output_shapes += [(*lead, n, head_dim * stages[1][0] // 32), (*lead, n, 1)]
         output_dtypes += [mx.uint32, norm_dtype]
-    run = kernel(encode_source(len(stages), layout), backend)
-    groups = (rows + per_group - 1) // per_group
+    run = kernel(encode_source(len(stages)), backend)
+    groups = (rows + THREADS // 32 - 1) // (THREADS // 32)
     return run(
         inputs=[vectors, *inputs],
         template=template,
-        grid=(groups * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
+        grid=(groups * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
         output_shapes=output_shapes,
         output_dtypes=output_dtypes,
     )
