@@ -32,7 +32,7 @@ FAMILY_SHADES = {
     "mlx-q": ["#6e6e6e", "#8c8c8c"],
     "affine": ["#1f63b4", "#6a9fd8"],
     "rotated": ["#7b4fa0", "#b190d0"],
-    "kivi": ["#0b6b3a", "#2fa05a", "#74c476", "#b5dfa0"],
+    "kivi": ["#0b6b3a", "#2fa05a", "#74c476", "#b5dfa0", "#00441b"],
     "turboquant": ["#d35400", "#f5a65b"],
     "rvq": ["#b2182b", "#ef8a8a"],
 }
@@ -41,6 +41,27 @@ LABELS = {
     "fp16": "fp16 (Velox 16-bit cache, reference)",
     "mlx-kv": "mlx-kv (mlx-lm KVCache)",
 }
+
+LEGEND_CHARS = 40  # a legend line's length before it wraps (the legend column is ~270 px of 12 px text)
+
+
+def legend_lines(spec: str) -> list[str]:
+    """A spec's legend entry: its name (or LABELS'), the model's RoPE that the builder writes after `rope=pre`
+    left out (the same for every row of a run), wrapped at ':' into lines of at most LEGEND_CHARS where it can."""
+    if spec in LABELS:
+        return [LABELS[spec]]
+    if spec.startswith("mlx-q:"):
+        return [f"{spec} (mlx-lm QuantizedKVCache)"]
+    parts = [p for p in spec.split(":") if not p.startswith(("rope_dims=", "rope_base=", "rope_scale=",
+                                                                  "rope_traditional="))]
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 1 + len(part) <= LEGEND_CHARS:
+            lines[-1] += ":" + part
+        else:
+            lines.append(":" + part)
+    return lines
+
 
 # Layout, in SVG user units (px).
 WIDTH = 1240
@@ -134,8 +155,10 @@ def render_svg(record: dict[str, Any], source: str, title: str | None = None) ->
         return bottom_y + BOTTOM_HEIGHT * (1 - value / bottom_max)
 
     shape = record.get("shape", {})
+    rounds = record.get("rounds", 1)
     subtitle = (f"tok/s of one step, model(token, cache=caches), median of {record.get('steps', '?')} after "
-                f"{record.get('warmup', '?')} warm-ups; {shape.get('layers', '?')} layers, "
+                f"{record.get('warmup', '?')} warm-ups" + (f", of {rounds} rounds" if rounds > 1 else "")
+                + f"; {shape.get('layers', '?')} layers, "
                 f"{shape.get('heads', '?')} query / {shape.get('kv_heads', '?')} KV heads, head_dim "
                 f"{shape.get('head_dim', '?')}, {shape.get('dtype', '?')}, {shape.get('weight_bits', '?')}-bit "
                 f"g{shape.get('weight_group', '?')} weights")
@@ -232,13 +255,12 @@ def render_svg(record: dict[str, Any], source: str, title: str | None = None) ->
                            f'height="{bottom_y + BOTTOM_HEIGHT - by:.1f}" fill="{colour}"{stroke}>'
                            f'<title>{escape(spec)} at {context:,} tokens: {share:.1f} % of its bound '
                            f'({row["bound_tok_s"]:.0f} tok/s)</title></rect>')
-        label = LABELS.get(spec, spec)
-        if spec.startswith("mlx-q:"):
-            label = f"{spec} (mlx-lm QuantizedKVCache)"
         legend_y += 22
         out.append(f'<rect x="{LEGEND_X}" y="{legend_y - 11}" width="14" height="14" fill="{colour}"'
                    f'{" stroke=" + chr(34) + "#000" + chr(34) if spec == REFERENCE else ""}/>')
-        out.append(_text(LEGEND_X + 22, legend_y, label, size=12, weight="bold" if spec == REFERENCE else "normal"))
+        for line_index, line in enumerate(legend_lines(spec)):
+            legend_y += 15 if line_index else 0
+            out.append(_text(LEGEND_X + 22, legend_y, line, size=12, weight="bold" if spec == REFERENCE else "normal"))
         if errors:
             legend_y += 16
             how = "every context" if len(errors) == len(contexts) else f"{len(errors)} of {len(contexts)} contexts"

@@ -992,6 +992,18 @@ def test_plot_decode_draws_one_series_per_spec(tmp_path: Path) -> None:
     assert len([r for r in svg.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]) == 4  # top panel only
 
 
+def test_decode_figure_legend_wraps_long_specs_and_leaves_out_the_models_rope() -> None:
+    from benchmarks import plot_decode
+
+    spec = ("kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1:wide_layers=L1.10.18:rope=pre:rope_dims=128:"
+            "rope_base=500000.0:rope_scale=1.0:rope_traditional=false")
+    lines = plot_decode.legend_lines(spec)
+    assert "".join(lines) == "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1:wide_layers=L1.10.18:rope=pre"
+    assert len(lines) > 1 and all(len(line) <= plot_decode.LEGEND_CHARS for line in lines)
+    assert plot_decode.legend_lines("affine:k4v4:g64") == ["affine:k4v4:g64"]
+    assert plot_decode.legend_lines("mlx-q:4:64") == ["mlx-q:4:64 (mlx-lm QuantizedKVCache)"]
+
+
 def test_committed_decode_figure_is_what_plot_decode_draws() -> None:
     from benchmarks import plot_decode
 

@@ -97,8 +97,8 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # without a GPU kernel attention decodes the gridded keys every step (cpu_decode_probe.json).
     # With rope=auto on a GPU (keys before RoPE): held out +18.7% (±1.5) against +73.2% for the plain level with
     # them (CPU, near_lossless_2bit_4k.json); on the H200 needle recall 8.8 % against fp16's 93.8 % and greedy
-    # match 7.2 % (quality-use-2bit-rope-h200.json), where the plain level had 1.3 % and 3.4 %; its decode speed
-    # there is not yet measured (the plain level's: 0.85x/0.74x/0.58x of fp16 at 8k/32k/131k).
+    # match 7.2 % (quality-use-2bit-rope-h200.json), where the plain level had 1.3 % and 3.4 %; decode there
+    # 1.01x/0.83x/0.65x of fp16 at 8k/32k/131k, beside the 4-bit level's 0.99x/0.86x/0.69x (decode-h200.json).
     ("2", "2-bit", "kivi:k2v2:g64:s4:clip_search=true:key_block=128:rope=auto:rotate_values=true:wide=0.1",
      "poor quality: answers may be wrong or garbled",
      "ppl +35.62% (±2.16) KL 0.3257 top1 67.0% (4094 scored tokens); needle and greedy match not measured"),

@@ -9,7 +9,7 @@ each lane loads and codes D/32 of its coordinates, the norm (and RVQ's residual 
 and the codes meet in shared memory, where each lane packs whole 32-bit words. The first form gave each
 vector one thread, which walked its D coordinates one after another (twice more for RVQ's residual): while
 decoding, a launch of batch × kv_heads threads each waiting on D reads of device memory. Timed side by side
-on the H200 (BENCHMARKS.md, `decode-encode-ab-h200.json`), the warp layout decoded rvq 6-20 % faster
+on the H200 (BENCHMARKS.md, `decode-encode-ab-h200.json`), the warp layout decoded rvq 6-19 % faster
 (turboquant: within the rounds' spread).
 
 The arithmetic follows the reference exactly: u = x / max(‖x‖, tiny), code = number of boundaries below u
