@@ -49,6 +49,12 @@ SPECS = (
     "turboquant:k3v3:g64:w7:s2",
     "rvq:k4v4:g64",
     "rvq:k3v3:g64:w3:s1",
+    # Keys with a sign sketch: a second, sketched query (codecs "prod" and "qjl").
+    "turboquant_prod:k4v4:g64",
+    "turboquant_prod:k2v2:g64:w5:s2",
+    "qjl:k1v4:g64",
+    "qjl:k4v4:g64:w3:s1",
+    "qjl:k2v2:g32",
 )
 TOKENS = (1, 5, 130, 300)
 # (head_dim, query heads per kv head): 2 rows leave warps of the staged KIVI keys without a row to reduce

@@ -408,6 +408,12 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codec, value arrays), in the order of `kernels/decode.py`'s codec macros; None: no kernel."""
         return None
 
+    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
+        """The second query the decode kernel reads for keys with a sign sketch (`_kernel_codecs`' key codec in
+        kernels.decode.SKETCH_KINDS): sqrt(π/2)/m · S q (float32) of the queries as `_queries_in` gives them; None
+        for every other method."""
+        return None
+
     def _kernel_key_block(self) -> int:
         """Tokens per key scale block the decode kernel reads (KIVI's key block; others: the group size)."""
         return self.config.group_size
@@ -921,9 +927,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
     def _kernel_attention(self, plan: _kernels.DecodePlan, queries: mx.array, scale: float) -> mx.array:
         """`attention` of one new token per sequence through the fused decode kernel (see kernels/decode.py)."""
         signs = self._output_rotation_signs()
+        transformed = self._queries_in(queries)
         output = _kernels.decode_attention(
             plan,
-            self._queries_in(queries),
+            transformed,
             self._n_kv_heads,
             scale,
             (self._sink_keys, self._sink_values) if self.n_sink else None,
@@ -931,6 +938,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             self._n_compressed,
             self.n_duplicated,
             out_signs=signs,
+            sketched=self._kernel_sketched_queries(transformed) if plan.sketch else None,
         )
         if signs is None:
             output = self._output_out(output)

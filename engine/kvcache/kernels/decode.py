@@ -143,8 +143,42 @@ _CODEC_MACROS = {
   for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]] + rs_ * {P}5[r_[i_]]; \\
   mul = (float){P}1[row_]; }}
 """,
+    # Keys with a 1-bit sign sketch (QJL's estimator): the score adds a second product, of the sketched query
+    # row (sh_q2: sqrt(π/2)/m · S q, scaled, staged once) with the key's ±1 signs, times a per-token factor. A
+    # lane's sketch coordinates are [lane·8·SK, (lane + 1)·8·SK), its 8·SK sign bits SK bytes of the packed row
+    # (bit 1 = +1), kept as bytes (ksg) until the scores; kmul2 is the factor (0 for 16-bit tokens). Key role only.
+    # turboquant_prod: (b-1)-bit codes of the rotated unit vector, norms, centroids, the residual's norms and the
+    # d signs of its sketch: x·q = norm · (q·c[code] + ‖r‖ · (S q)·sign · sqrt(π/2)/d).
+    "prod": """
+#define KEY_SKETCH 1
+#define SK 1
+#define LOAD_{ROLE}(c, out, mul) {{ \\
+  const long row_ = (long)bh * {P}0_shape[2] + (c); \\
+  U32 c_[8]; \\
+  unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]]; \\
+  ksg[u][0] = ({P}4[row_ * {P}4_shape[3] + (lane * 8) / 32] >> ((lane * 8) % 32)) & 255u; \\
+  kmul2[u] = (float){P}3[row_]; \\
+  mul = (float){P}1[row_]; }}
+""",
+    # QJL: the m = SK·D signs of S k (SK = the key bits: sketch rows per channel) and the norm; no first-stage
+    # codes (out is 0): x·q = norm · (S q)·sign · sqrt(π/2)/m.
+    "qjl": """
+#define KEY_SKETCH 1
+#define SK {BITS}
+#define LOAD_{ROLE}(c, out, mul) {{ \\
+  const long row_ = (long)bh * {P}0_shape[2] + (c); \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = 0.0f; \\
+  for (int j_ = 0; j_ < SK; ++j_) {{ \\
+    const int b_ = (lane * SK + j_) * 8; \\
+    ksg[u][j_] = ({P}0[row_ * {P}0_shape[3] + b_ / 32] >> (b_ % 32)) & 255u; }} \\
+  kmul2[u] = 1.0f; \\
+  mul = (float){P}1[row_]; }}
+""",
 }
-_CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6}
+_CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6, "prod": 5, "qjl": 2}
+# Key codecs with a sign sketch (a second, sketched query: `attend_source` adds the input qry2).
+SKETCH_KINDS = ("prod", "qjl")
 
 _HEADER = """
 // Codes [first, first + 8) of a row packed as a little-endian bit stream of `bits`-bit codes (MLX's affine
@@ -192,6 +226,9 @@ INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
 # attended: KIVI's copies of the sink tokens, whose 16-bit originals are the sinks), NS (sink tokens),
 # HW (1 if a window is passed), U (tokens per subgroup in flight).
 _ATTEND_BODY = """
+#ifndef KEY_SKETCH
+#define KEY_SKETCH 0
+#endif
   constexpr int TPT = D / 8;          // lanes per token
   constexpr int NSG = NT / TPT;       // subgroups: tokens in flight per threadgroup and unrolled step
   constexpr int ITER = U * NSG;       // tokens per iteration of the threadgroup
@@ -216,6 +253,11 @@ _ATTEND_BODY = """
   SHARED U32 sh_kc[KC_WORDS];
   const float scale = qscale[0];
   for (int i = TID; i < R * D; i += NT) sh_q[i] = scale * (float)qry[(long)bh * R * D + i];
+#if KEY_SKETCH
+  // The sketched query rows (SK·D coordinates each), scaled alike.
+  SHARED float sh_q2[R * SK * D];
+  for (int i = TID; i < R * SK * D; i += NT) sh_q2[i] = scale * (float)qry2[(long)bh * R * SK * D + i];
+#endif
   float m_run[R];
   float l_run[R];
   float o_acc[R][8];
@@ -246,11 +288,19 @@ _ATTEND_BODY = """
     float kmul[U];
     float vmul[U];
     bool valid[U];
+#if KEY_SKETCH
+    U32 ksg[U][SK];   // a compressed key's sign bits, 8 per byte of the lane's sketch coordinates
+    float kmul2[U];   // the sketch term's factor (0: a 16-bit token has none)
+#endif
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = base + u * NSG + sg;
       kmul[u] = 1.0f;
       vmul[u] = 1.0f;
+#if KEY_SKETCH
+      kmul2[u] = 0.0f;
+      for (int j = 0; j < SK; ++j) ksg[u][j] = 0u;
+#endif
       if (comp) {
         const int c = c_begin + v;
         valid[u] = c < c_end && c >= CS;
@@ -283,6 +333,16 @@ _ATTEND_BODY = """
       for (int u = 0; u < U; ++u) {
         float part = 0.0f;
         for (int i = 0; i < 8; ++i) part += sh_q[qoff + r * D + lane * 8 + i] * kx[u][i];
+#if KEY_SKETCH
+        float sketch = 0.0f;
+        for (int j = 0; j < SK; ++j) {
+          for (int i = 0; i < 8; ++i) {
+            const float q2 = sh_q2[(r * TPT + lane) * SK * 8 + j * 8 + i];
+            sketch += ((ksg[u][j] >> i) & 1u) ? q2 : -q2;
+          }
+        }
+        part += kmul2[u] * sketch;
+#endif
         for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
         s[u] = valid[u] ? (part + qb) * kmul[u] : -1e30f;
         m_new = FMAX(m_new, s[u]);
@@ -888,10 +948,11 @@ _UNSTAGED_KEYS = "#define KEY_STAGED 0\n#define QSLOTS 1\n#define KC_WORDS 1\n"
 @functools.cache
 def attend_source(key: Codec, value: Codec) -> KernelSource:
     """The attention pass for one (key codec, value codec) pair: the shared body with the two macros."""
+    if value.kind in SKETCH_KINDS:
+        raise ValueError(f"The {value.kind!r} codec reads keys only.")
     inputs = (
-        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        *(f"k{i}" for i in range(key.slots)),
-        *(f"v{i}" for i in range(value.slots)),
+        "qry", *(("qry2",) if key.kind in SKETCH_KINDS else ()), "qscale", "sink_k", "sink_v", "win_k", "win_v",
+        "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
     )
     name = f"velox_decode_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}"
     staged = "" if key.kind == "kivi_keys" else _UNSTAGED_KEYS
@@ -991,6 +1052,28 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
     return 4 * words
 
 
+# Backends where the sketch codecs (turboquant_prod's and qjl's keys) run; elsewhere those caches attend through the
+# reference path. The CPU emulator checks them against the reference (tests/test_kvcache_kernel_emulation.py); CUDA
+# and Metal join once the GPU parity tests pass on a GPU (tests/test_kvcache_kernels.py).
+SKETCH_BACKENDS: tuple[str, ...] = ("emulate",)
+
+
+def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -> str | None:
+    """Why the attention pass cannot read sketched keys (`key` a SKETCH_KINDS codec) here, or None: the backend
+    must have passed the parity tests, and the sketched query rows (R·SK·D floats) must leave the pass's threadgroup
+    memory under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
+    if backend not in SKETCH_BACKENDS:
+        return f"the decode kernel's {key.kind} keys have not passed the parity tests on this backend yet"
+    sketch = key.bits if key.kind == "qjl" else 1  # SK
+    groups = threads_for(head_dim) // (head_dim // 8)  # NSG
+    # sh_q, sh_kc, sh_q2, sh_m, sh_l, sh_o of `_ATTEND_BODY` (4-byte words)
+    words = rows * head_dim + rows + 1 + rows * sketch * head_dim + 2 * groups * rows + groups * head_dim
+    if 4 * words > TILED_SHARED_LIMIT:
+        return (f"the decode kernel's sketched queries need more threadgroup memory than {TILED_SHARED_LIMIT} bytes at "
+                f"{rows} query heads per kv head")
+    return None
+
+
 def head_dim_supported(head_dim: int) -> bool:
     """head_dim = 8·TPT with TPT a power of two dividing 32 (lanes of one token sit in one warp)."""
     lanes = head_dim // 8
@@ -1077,6 +1160,7 @@ class DecodePlan:
     tile: int
     threads: int
     target_groups: int
+    sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
 
 
 def plan_decode(
@@ -1124,6 +1208,7 @@ def plan_decode(
         tile=tile,
         threads=threads,
         target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
+        sketch=key_codec.kind in SKETCH_KINDS,
     )
 
 
@@ -1137,6 +1222,7 @@ def decode_attention(
     n_compressed: int,
     n_skipped: int = 0,
     out_signs: mx.array | None = None,
+    sketched: mx.array | None = None,
 ) -> mx.array:
     """Attention of one query token per sequence over sink + compressed + window.
 
@@ -1148,7 +1234,11 @@ def decode_attention(
     The first `n_skipped` compressed tokens are not attended (copies of the sinks kept in a block stream).
     `out_signs` (float32 [D], see `Rotation.sylvester_inverse_signs`): the merge pass also rotates the output
     back, signs ⊙ H·out / sqrt(D), instead of the caller (in float32, before the cast to the queries' dtype).
+    `sketched` [B, n_q_heads, 1, SK·D] (float32): the sketched queries a plan with sketched keys reads (`plan.sketch`),
+    sqrt(π/2)/m · S q in the method's own space, scaled by `scale` in the kernel like the queries.
     """
+    if plan.sketch != (sketched is not None):
+        raise ValueError("A plan for sketched keys needs the sketched queries, and only such a plan takes them.")
     batch, n_heads, _, head_dim = queries.shape
     rows = n_heads // n_kv
     present = sink if sink is not None else window
@@ -1161,7 +1251,8 @@ def decode_attention(
     threads = plan.threads
 
     part_m, part_l, part_o = plan.attend(
-        inputs=[queries, _scale_array(scale), sink_k, sink_v, win_k, win_v, RULER(n_compressed), *plan.arrays],
+        inputs=[queries, *(() if sketched is None else (sketched,)), _scale_array(scale), sink_k, sink_v, win_k, win_v,
+                RULER(n_compressed), *plan.arrays],
         template=[*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),

@@ -13,6 +13,10 @@ by chunk (the signs are unpacked to ±1 per chunk and dropped; nothing decoded i
 Values are quantized per token by the partner method named in option `values` (only "affine" so far:
 MLX group quantization, value_bits and group_size of this config) and read by `mx.quantized_matmul`.
 
+On a GPU whose backend is in kernels.decode.SKETCH_BACKENDS the decode kernel reads the signs, the norms and the
+values' codes in one pass (codec "qjl"): each lane meets 8·key_bits sketch coordinates of the sketched query
+(S q, computed once per step) with the key's signs; the 16-bit window and sinks take the query as it is.
+
 What the estimator does not give: a small error on every score. Softmax attention is sensitive to score
 errors on the few keys with large scores, which an unbiased but noisy estimate does not protect (the
 paper keeps outlier channels in 16 bit for that); the measured cost is in BENCHMARKS.md.
@@ -25,8 +29,10 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.affine import (
     AFFINE_GROUP_SIZES,
     SCALE_BITS,
@@ -152,3 +158,22 @@ class VeloxQJLKVCache(SegmentedKVCache):
         return affine_matmul(
             weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
         )
+
+    # ----- decode kernel ---------------------------------------------------------------------------------------
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("qjl", self.config.key_bits),
+            [store["key_codes"], store["key_norms"]],
+            Codec("affine", self.config.value_bits),
+            [store["value_codes"], store["value_scales"], store["value_biases"]],
+        )
+
+    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
+        return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
+
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        return _kernels.decode.sketch_declines(
+            Codec("qjl", self.config.key_bits), self._k_head_dim, rows, _kernels.available_backend())

@@ -12,7 +12,9 @@ unbiased for every q. It is linear in q, so decoding a key as c[codes] + ‖r‖
 gives exactly that estimate through the shared chunked attention of `RotatedCodebookKVCache`.
 
 Values keep b-bit TurboQuant-MSE codes (attention weights average values, where the MSE codebook is the
-better choice, as in the paper). Per key vector: d·b code bits and two 16-bit floats; per value: d·b bits
+better choice, as in the paper). The decode kernel reads the codes, the signs and both norms (codec "prod" of
+kernels/decode.py) with the sketched query S q (sqrt(π/2)/d, in float32) beside the rotated one, where its backend
+is in `SKETCH_BACKENDS`. Per key vector: d·b code bits and two 16-bit floats; per value: d·b bits
 and one. Compare with `turboquant` at equal bits in BENCHMARKS.md: lower bias, higher variance.
 """
 
@@ -22,7 +24,9 @@ from typing import ClassVar
 
 import mlx.core as mx
 
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.turboquant import (
     NORM_BITS,
     Codebook,
@@ -32,7 +36,12 @@ from engine.kvcache.methods.turboquant import (
 )
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
-from engine.kvcache.quant.sketch import gaussian_sketch, sketch_reconstruction, sketch_signs
+from engine.kvcache.quant.sketch import (
+    SIGN_ESTIMATOR_SCALE,
+    gaussian_sketch,
+    sketch_reconstruction,
+    sketch_signs,
+)
 from engine.kvcache.registry import register_method
 
 SKETCH_SEED_OFFSET = 2_000_003  # sketches never share a seed with the layer's rotation
@@ -108,3 +117,24 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
         return centroid_lookup(codes, centroids) + sketch_reconstruction(
             store["key_residual_signs"], store["key_residual_norms"], self._sketch
         )
+
+    # ----- decode kernel ---------------------------------------------------------------------------------------
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store = self._store
+        return (
+            Codec("prod", self.config.key_bits - 1),
+            [store["key_codes"], store["key_norms"], self._kernel_table("key0"), store["key_residual_norms"],
+             store["key_residual_signs"]],
+            Codec("codebook", self.config.value_bits),
+            [store["value_codes"], store["value_norms"], self._kernel_table("value0")],
+        )
+
+    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
+        # The rotated queries through the residuals' sketch, with the estimator's constant (m = d rows).
+        return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
+
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        return _kernels.decode.sketch_declines(
+            Codec("prod", self.config.key_bits - 1), self._k_head_dim, rows, _kernels.available_backend())
