@@ -218,8 +218,8 @@ def test_cpu_falls_back_under_auto_and_require_says_why() -> None:
 
 def test_caches_without_a_kernel_say_why() -> None:
     """What `kernels='require'` reports on a GPU, and `auto` silently falls back on: polarquant has no decode
-    kernel, the sketched keys of qjl and turboquant_prod wait for their parity run on a backend (this machine's
-    default device is the CPU: no backend), and KIVI's own key blocks and sinks' copies have variants."""
+    kernel; KIVI's own key blocks and sinks' copies, and the sketched keys of qjl and turboquant_prod, have
+    variants (a backend not in decode.SKETCH_BACKENDS would decline the latter: next test)."""
     shape = ModelShape(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=64)
     rng = np.random.default_rng(0)
     keys = mx.array(rng.standard_normal((1, 1, 300, 64), dtype=np.float32))
@@ -233,9 +233,18 @@ def test_caches_without_a_kernel_say_why() -> None:
     # KIVI's own key blocks and its sinks' copies in the block stream have kernel variants too
     assert reason(KVCacheConfig("kivi", 4, group_size=64, options={"key_block": 128}, sink_tokens=4)) is None
     assert reason(KVCacheConfig("polarquant", 4)) == "method 'polarquant' has no decode kernel"
-    for method, kind in (("qjl", "qjl"), ("turboquant_prod", "prod")):
-        assert reason(KVCacheConfig(method, 4)) == (
-            f"the decode kernel's {kind} keys have not passed the parity tests on this backend yet")
+    assert reason(KVCacheConfig("qjl", 4)) is None and reason(KVCacheConfig("turboquant_prod", 4)) is None
+
+
+def test_sketched_keys_wait_for_their_parity_run_and_fit_the_threadgroup() -> None:
+    from engine.kvcache.kernels import decode
+
+    qjl, prod = Codec("qjl", 4), Codec("prod", 3)
+    assert decode.sketch_declines(prod, 128, 4, "cuda") is None and decode.sketch_declines(qjl, 128, 4, "metal") is None
+    assert "parity" in decode.sketch_declines(qjl, 128, 4, "some-new-backend")
+    # qjl's 4 sketch rows per channel at 16 query heads per kv head: 32 KB of sketched queries alone
+    assert "threadgroup memory" in decode.sketch_declines(qjl, 128, 16, "cuda")
+    assert decode.sketch_declines(prod, 128, 16, "cuda") is None
 
 
 # ----- parity with the reference (GPU backends only) ------------------------------------------------------

@@ -1054,15 +1054,19 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
 
 # Backends where the sketch codecs (turboquant_prod's and qjl's keys) run; elsewhere those caches attend through the
 # reference path. The CPU emulator checks them against the reference (tests/test_kvcache_kernel_emulation.py); CUDA
-# and Metal join once the GPU parity tests pass on a GPU (tests/test_kvcache_kernels.py).
-SKETCH_BACKENDS: tuple[str, ...] = ("emulate",)
+# passed the GPU parity test on the lent H200 (tests/test_kvcache_kernels.py::test_decode_kernel_reads_sketched_keys,
+# 70 and 4,097 tokens, head_dim 128 and 64), where a whole-model decode step at 8k / 32k tokens took 52 / 59 ms for
+# turboquant_prod:k4v4 and 23 / 39 ms for qjl:k4v4 against 138 / 359 and 88 / 192 ms through the reference
+# (benchmarks/results/decode-sketch-h200.json). Metal runs the same body (nothing in its prelude the other codecs do
+# not use): enabled by construction, as every kernel here.
+SKETCH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 
 def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -> str | None:
     """Why the attention pass cannot read sketched keys (`key` a SKETCH_KINDS codec) here, or None: the backend
-    must have passed the parity tests, and the sketched query rows (R·SK·D floats) must leave the pass's threadgroup
+    (None: not known here) must have passed the parity tests, and the sketched query rows (R·SK·D floats) must leave the pass's threadgroup
     memory under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
-    if backend not in SKETCH_BACKENDS:
+    if backend is not None and backend not in SKETCH_BACKENDS:
         return f"the decode kernel's {key.kind} keys have not passed the parity tests on this backend yet"
     sketch = key.bits if key.kind == "qjl" else 1  # SK
     groups = threads_for(head_dim) // (head_dim // 8)  # NSG

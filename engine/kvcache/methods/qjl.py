@@ -67,7 +67,8 @@ class VeloxQJLKVCache(SegmentedKVCache):
     attention_path: ClassVar[str] = "dequantize-per-step"
     description: ClassVar[str] = (
         "QJL: keys as key_bits·head_dim sign bits of a seeded Gaussian sketch plus one 16-bit norm, scored "
-        "with the unbiased sign estimator; values by the affine partner (quantized_matmul)."
+        "with the unbiased sign estimator; values by the affine partner (quantized_matmul); a fused decode kernel "
+        "on a GPU."
     )
 
     @classmethod

@@ -44,7 +44,8 @@ class VeloxRVQKVCache(RotatedCodebookKVCache):
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
         "Residual scalar quantization: Gaussian Lloyd-Max codes of the rotated unit vector, then Laplacian "
-        "Lloyd-Max codes of the RMS-scaled residual (2 = 1+1, 3 = 2+1, 4 = 2+2 bits); dequantized per step."
+        "Lloyd-Max codes of the RMS-scaled residual (2 = 1+1, 3 = 2+1, 4 = 2+2 bits); a fused decode kernel on a "
+        "GPU, dequantized per step elsewhere."
     )
 
     @classmethod

@@ -237,7 +237,7 @@ class VeloxTurboQuantKVCache(RotatedCodebookKVCache):
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
         "TurboQuant-MSE: randomized Hadamard rotation, one 16-bit norm per vector and Lloyd-Max scalar "
-        "codes of the rotated unit vector; dequantized chunk by chunk each step (no fused kernel yet)."
+        "codes of the rotated unit vector; a fused decode kernel on a GPU, dequantized chunk by chunk elsewhere."
     )
 
     @classmethod

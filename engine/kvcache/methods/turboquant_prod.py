@@ -53,7 +53,8 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
         "TurboQuant-prod: keys as (b-1)-bit TurboQuant-MSE codes plus a 1-bit QJL sketch of the residual "
-        "(unbiased inner products), values as b-bit TurboQuant-MSE; dequantized chunk by chunk each step."
+        "(unbiased inner products), values as b-bit TurboQuant-MSE; a fused decode kernel on a GPU, dequantized "
+        "chunk by chunk elsewhere."
     )
     encode_kernel: ClassVar[bool] = False  # its keys' residual sketch is not what kernels/encode.py computes
 
