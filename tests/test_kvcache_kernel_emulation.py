@@ -190,7 +190,8 @@ def test_rope_kernel_waits_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPat
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec,head_dim", [("turboquant:k4v4:g64", 128), ("turboquant:k1v1:g64", 128),
                                            ("turboquant:k3v3:g64", 64), ("rvq:k3v3:g64", 128), ("rvq:k4v4:g64", 64),
-                                           ("rvq:k2v2:g64", 256)])
+                                           ("rvq:k2v2:g64", 256), ("turboquant_prod:k4v4:g64", 128),
+                                           ("turboquant_prod:k2v2:g64", 64)])
 def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> None:
     """The fused encode's codes, norms and residual scales (a code may differ where a value sits within
     float rounding of a boundary: at most 1 in 1,000 packed words); 3-bit codes straddle words, and 301 tokens of

@@ -40,7 +40,7 @@ CODEC_PAIRS = (
     *[(Codec("qjl", b), Codec("affine", 4)) for b in (1, 2, 4)],
 )
 ALL_SOURCES = (
-    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2),
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind != "kivi_keys"),
 )
@@ -403,10 +403,15 @@ def test_decode_kernel_short_caches_and_sinks_only() -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("method,bits", [("turboquant", 4), ("turboquant", 3), ("turboquant", 1), ("rvq", 4),
-                                         ("rvq", 3), ("rvq", 2)])
-def test_codebook_encode_kernel_matches_reference(method: str, bits: int) -> None:
+                                         ("rvq", 3), ("rvq", 2), ("turboquant_prod", 4), ("turboquant_prod", 2)])
+def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
-    value sits within float rounding of a boundary: at most 1 in 10,000)."""
+    value sits within float rounding of a boundary: at most 1 in 10,000); turboquant_prod's keys also their
+    residual's norm and sketch signs (its backend let into encode.SKETCH_BACKENDS for the test, in case it is not
+    there yet: the parity run behind a backend's place there)."""
+    from engine.kvcache.kernels import encode
+
+    monkeypatch.setattr(encode, "SKETCH_BACKENDS", (*encode.SKETCH_BACKENDS, available_backend()))
     config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
     head_dim = 64 if bits == 3 else 128  # 3-bit codes straddle words at either width
     cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]

@@ -18,6 +18,11 @@ r = u - c₁[code₁] is divided by max(rms(r), tiny), coded against the second 
 the least-squares fit Σ r·c₂ / max(Σ c₂², tiny). Sums run in a different order than MLX's reductions, so a
 value lying within float rounding of a boundary can take the neighbouring code (the tests allow for it).
 The rotation itself stays in MLX (`_keys_in`: a Hadamard transform), as on the reference path.
+
+turboquant_prod's keys take the one-stage kernel with a sketch (`sketch=True`): after their (b-1)-bit codes, the
+residual r = u - c[code] goes to shared memory, each lane computes D/32 rows of S r for the d×d sketch S (float16,
+read from device memory), and the warp packs their signs (1 = non-negative) and writes ‖r‖. Where its backend is
+not in SKETCH_BACKENDS (a GPU parity run decides), those keys encode through MLX operations.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ _ENCODE_BODY = """
       int code = 0;
       for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
       sh_codes[slot * D + d] = (U32)code;
-      if (STAGES == 2) { x[p] = u - cen1[code]; r2 += x[p] * x[p]; }
+      if (STAGES == 2 || SKETCH) { x[p] = u - cen1[code]; r2 += x[p] * x[p]; }
     }
   }
   BARRIER();
@@ -78,6 +83,34 @@ _ENCODE_BODY = """
       packed[row * (D * B1 / 32) + w] = word;
     }
   }
+#if SKETCH
+  // turboquant_prod's keys: the residual's norm and the signs of S r for the d×d sketch `sk` (a lane takes sketch
+  // rows lane, lane + 32, ...: each a product over the whole residual, which the warp first puts in shared memory).
+  SHARED float sh_r[VPG * D];
+  for (int m = 16; m > 0; m >>= 1) r2 += LANE_XOR(r2, m);
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    if (d < D) sh_r[slot * D + d] = x[p];
+  }
+  BARRIER();  // also: every lane has packed the codes before they are overwritten
+  for (int p = 0; p < P; ++p) {
+    const int j = lane + 32 * p;
+    if (j < D) {
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc += (float)sk[j * D + d] * sh_r[slot * D + d];
+      sh_codes[slot * D + j] = acc >= 0.0f ? 1u : 0u;
+    }
+  }
+  BARRIER();
+  if (valid) {
+    for (int w = lane; w < D / 32; w += 32) {
+      U32 word = 0;
+      for (int b = 0; b < 32; ++b) word |= sh_codes[slot * D + 32 * w + b] << b;
+      signs[row * (D / 32) + w] = word;
+    }
+    if (lane == 0) rnorm[row] = static_cast<TN>(sqrt(r2));
+  }
+#endif
 #if STAGES == 2
   for (int m = 16; m > 0; m >>= 1) r2 += LANE_XOR(r2, m);
   const float rdenom = FMAX(sqrt(r2 / D), 1e-30f);
@@ -116,19 +149,27 @@ _ENCODE_BODY = """
 
 
 
+# Backends where turboquant_prod's keys encode through the kernel (one stage and the residual's sketch); elsewhere
+# through MLX operations. The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py);
+# CUDA and Metal join once the GPU parity test passes (tests/test_kvcache_kernels.py).
+SKETCH_BACKENDS: tuple[str, ...] = ("emulate",)
+
+
 @functools.cache
-def encode_source(stages: int) -> KernelSource:
-    """The encode kernel for one (turboquant) or two (rvq) codebook stages."""
-    if stages not in (1, 2):
-        raise ValueError(f"The codebook encode kernel has one or two stages, not {stages}.")
-    inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ())
-    outputs = ("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
+def encode_source(stages: int, sketch: bool = False) -> KernelSource:
+    """The encode kernel for one (turboquant) or two (rvq) codebook stages; `sketch`: one stage, then the
+    residual's norm and the signs of its d×d sketch (turboquant_prod's keys)."""
+    if stages not in (1, 2) or (sketch and stages != 1):
+        raise ValueError(f"The codebook encode kernel has one or two stages (one with a sketch), not {stages}.")
+    inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ()) + (("sk",) if sketch else ())
+    outputs = (("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
+               + (("rnorm", "signs") if sketch else ()))
     return KernelSource(
-        name=f"velox_codebook_encode{stages}",
+        name=f"velox_codebook_encode{stages}" + ("_sketch" if sketch else ""),
         input_names=inputs,
         output_names=outputs,
         body=_ENCODE_BODY,
-        defines=f"#define STAGES {stages}\n",
+        defines=f"#define STAGES {stages}\n#define SKETCH {int(sketch)}\n",
     )
 
 
@@ -137,11 +178,13 @@ def codebook_encode(
     stages: list[tuple[int, mx.array, mx.array]],
     norm_dtype: mx.Dtype,
     backend: str,
+    sketch: mx.array | None = None,
 ) -> list[mx.array]:
     """Encode [..., n, D] vectors; `stages` = [(bits, centroids, boundaries)] (one or two stages).
 
     Returns [norms [..., n, 1], codes [..., n, D·bits/32]] and for two stages also
-    [residual codes, residual scales [..., n, 1]], norms and scales in `norm_dtype`.
+    [residual codes, residual scales [..., n, 1]], norms and scales in `norm_dtype`; with a d×d `sketch` (one
+    stage) also [the residual's norms [..., n, 1], the signs of its sketch, packed [..., n, D/32]].
     """
     if vectors.ndim != 4:
         raise ValueError(f"codebook_encode takes [batch, heads, tokens, head_dim], got {vectors.shape}.")
@@ -157,7 +200,11 @@ def codebook_encode(
     if len(stages) == 2:
         output_shapes += [(*lead, n, head_dim * stages[1][0] // 32), (*lead, n, 1)]
         output_dtypes += [mx.uint32, norm_dtype]
-    run = kernel(encode_source(len(stages)), backend)
+    if sketch is not None:
+        inputs.append(sketch)
+        output_shapes += [(*lead, n, 1), (*lead, n, head_dim // 32)]
+        output_dtypes += [norm_dtype, mx.uint32]
+    run = kernel(encode_source(len(stages), sketch is not None), backend)
     groups = (rows + THREADS // 32 - 1) // (THREADS // 32)
     return run(
         inputs=[vectors, *inputs],

@@ -27,6 +27,7 @@ import mlx.core as mx
 from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels.encode import codebook_encode
 from engine.kvcache.methods.turboquant import (
     NORM_BITS,
     Codebook,
@@ -56,7 +57,6 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
         "(unbiased inner products), values as b-bit TurboQuant-MSE; a fused decode kernel on a GPU, dequantized "
         "chunk by chunk elsewhere."
     )
-    encode_kernel: ClassVar[bool] = False  # its keys' residual sketch is not what kernels/encode.py computes
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:
@@ -109,6 +109,20 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
             "key_residual_norms": mx.linalg.norm(residual, axis=-1, keepdims=True).astype(self._dense_dtype),
             "key_residual_signs": sketch_signs(residual, self._sketch),
         }
+
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
+        """Values as turboquant's; keys in one launch too (their codes, then the residual's norm and the signs of
+        its sketch) where the backend is in kernels.encode.SKETCH_BACKENDS, else through `_encode_role`."""
+        centroids, boundaries = self._codebooks[f"{role}0"]
+        if role == "value":
+            parts = codebook_encode(vectors, [(self.config.value_bits, centroids, boundaries)], self._dense_dtype,
+                                    backend)
+            return dict(zip(["value_norms", "value_codes"], parts, strict=True))
+        if backend not in _kernels.encode.SKETCH_BACKENDS:
+            return self._encode_role(vectors, role)
+        parts = codebook_encode(vectors, [(self.config.key_bits - 1, centroids, boundaries)], self._dense_dtype,
+                                backend, sketch=self._sketch)
+        return dict(zip(["key_norms", "key_codes", "key_residual_norms", "key_residual_signs"], parts, strict=True))
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         if role == "value":
