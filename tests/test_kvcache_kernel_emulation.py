@@ -216,6 +216,27 @@ def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> N
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec,head_dim", [("qjl:k4v4:g64", 128), ("qjl:k1v2:g32", 64), ("qjl:k3v4:g64", 64)])
+def test_emulated_qjl_encode_kernel_matches_reference(spec: str, head_dim: int) -> None:
+    """qjl's keys encoded in one launch (norms and the signs of the key_bits·D-row sketch; a sign may differ where
+    S k is within float rounding of 0) and its values as before, against the reference encode (kernels off)."""
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
+    keys = mx.array(np.random.default_rng(5).standard_normal((1, 2, 301, head_dim), dtype=np.float32))
+    cache._setup_from(keys, keys)
+    fused = cache._encode(keys, keys)
+    reference = _reference_of(cache)._encode(keys, keys)
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if name == "key_codes":
+            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
+        else:
+            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
+            assert error <= 2**-10, (name, error)
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k3v3:g64:w7:s2", "turboquant:k1v1:g64", "rvq:k4v4:g64",
                                   "rvq:k3v3:g64:w3:s1", "affine:k4v4:g64", "affine:k3v3:g32:w5:s3", "rotated:k2v2:g64"])
 def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:

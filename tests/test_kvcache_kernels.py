@@ -40,7 +40,7 @@ CODEC_PAIRS = (
     *[(Codec("qjl", b), Codec("affine", 4)) for b in (1, 2, 4)],
 )
 ALL_SOURCES = (
-    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True),
+    MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind != "kivi_keys"),
 )
@@ -430,6 +430,36 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
         if ref.dtype == mx.uint32:
             mismatched = float(mx.mean((got != ref).astype(mx.float32)))
             assert mismatched <= 1e-3, (name, mismatched)  # per packed word: <= ~1e-4 per code
+        else:
+            error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
+                                 / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))
+            assert error <= 1e-2, (name, error)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits,head_dim", [(4, 128), (2, 64)])
+def test_qjl_encode_kernel_matches_reference(bits: int, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qjl's keys (norms and the signs of the key_bits·D-row sketch) encoded in one launch against the reference on
+    the CPU stream (its backend let into encode.SKETCH_BACKENDS for the test: the parity run behind its place)."""
+    from engine.kvcache.kernels import encode
+
+    monkeypatch.setattr(encode, "SKETCH_BACKENDS", (*encode.SKETCH_BACKENDS, available_backend()))
+    config = KVCacheConfig(method="qjl", key_bits=bits, options={"kernels": "auto"})
+    cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
+    keys = mx.array(np.random.default_rng(bits).standard_normal((1, 2, 777, head_dim), dtype=np.float32))
+    keys = keys.astype(mx.bfloat16)
+    cache._setup_from(keys, keys)
+    fused = cache._encode(keys, keys)
+    with mx.stream(mx.cpu):
+        reference = _reference_of(cache)._encode(keys, keys)
+        mx.eval(reference)
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:  # sign bits (and the values' codes): a flip only within rounding of a boundary
+            mismatched = float(mx.mean((got != ref).astype(mx.float32)))
+            assert mismatched <= 1e-3, (name, mismatched)
         else:
             error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
                                  / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))

@@ -19,10 +19,11 @@ the least-squares fit Σ r·c₂ / max(Σ c₂², tiny). Sums run in a different
 value lying within float rounding of a boundary can take the neighbouring code (the tests allow for it).
 The rotation itself stays in MLX (`_keys_in`: a Hadamard transform), as on the reference path.
 
-turboquant_prod's keys take the one-stage kernel with a sketch (`sketch=True`): after their (b-1)-bit codes, the
-residual r = u - c[code] goes to shared memory, each lane computes D/32 rows of S r for the d×d sketch S (float16,
-read from device memory), and the warp packs their signs (1 = non-negative) and writes ‖r‖. Where its backend is
-not in SKETCH_BACKENDS (a GPU parity run decides), those keys encode through MLX operations.
+Sketched keys take a sketch variant (`sketch=True`): turboquant_prod's after their (b-1)-bit codes, the residual
+r = u - c[code] (its norm ‖r‖ stored too), qjl's with no codebook stage, the key itself, go to shared memory; each
+lane computes every 32nd row of S r for the m×D sketch S (float16, read from device memory; m = D, or key_bits·D
+for qjl), and the warp packs their signs (1 = non-negative). Where the backend is not in SKETCH_BACKENDS (a GPU
+parity run decides), those keys encode through MLX operations.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ _ENCODE_BODY = """
   const long n_rows = (long)xin_shape[0] * xin_shape[1] * xin_shape[2];
   const bool valid = row < n_rows;
   const long base = (valid ? row : 0) * D;
-  SHARED U32 sh_codes[VPG * D];
+#if SKETCH
+  constexpr int CW = SKM > D ? SKM : D;  // codes or signs per vector in shared memory
+#else
+  constexpr int CW = D;
+#endif
+  SHARED U32 sh_codes[VPG * CW];
   float x[P];
   float ss = 0.0f;
   for (int p = 0; p < P; ++p) {
@@ -58,6 +64,9 @@ _ENCODE_BODY = """
   const float norm = sqrt(ss);
   const float denom = FMAX(norm, 1e-30f);
   if (valid && lane == 0) norms[row] = static_cast<TN>(norm);
+#if STAGES == 0
+  float r2 = ss;  // qjl's keys: no codebook stage, the sketch takes the key itself
+#else
   float r2 = 0.0f;
   for (int p = 0; p < P; ++p) {
     const int d = lane + 32 * p;
@@ -65,7 +74,7 @@ _ENCODE_BODY = """
       const float u = x[p] / denom;
       int code = 0;
       for (int j = 0; j < NB1; ++j) code += (u > bnd1[j]) ? 1 : 0;
-      sh_codes[slot * D + d] = (U32)code;
+      sh_codes[slot * CW + d] = (U32)code;
       if (STAGES == 2 || SKETCH) { x[p] = u - cen1[code]; r2 += x[p] * x[p]; }
     }
   }
@@ -77,38 +86,41 @@ _ENCODE_BODY = """
       U32 word = 0;
       for (int d = (32 * w) / B1; d < D && d * B1 < 32 * w + 32; ++d) {
         const int shift = d * B1 - 32 * w;
-        const U32 c = sh_codes[slot * D + d];
+        const U32 c = sh_codes[slot * CW + d];
         word |= shift >= 0 ? (c << shift) : (c >> (-shift));
       }
       packed[row * (D * B1 / 32) + w] = word;
     }
   }
+#endif
 #if SKETCH
-  // turboquant_prod's keys: the residual's norm and the signs of S r for the d×d sketch `sk` (a lane takes sketch
-  // rows lane, lane + 32, ...: each a product over the whole residual, which the warp first puts in shared memory).
+  // The signs of S r for the SKM×D sketch `sk`: turboquant_prod's keys (r the residual, SKM = D; its norm is stored
+  // too) and qjl's (r the key itself, SKM = key_bits·D). A lane takes sketch rows lane, lane + 32, ...: each a
+  // product over the whole of r, which the warp first puts in shared memory.
   SHARED float sh_r[VPG * D];
+#if STAGES == 1
   for (int m = 16; m > 0; m >>= 1) r2 += LANE_XOR(r2, m);
+#endif
   for (int p = 0; p < P; ++p) {
     const int d = lane + 32 * p;
     if (d < D) sh_r[slot * D + d] = x[p];
   }
   BARRIER();  // also: every lane has packed the codes before they are overwritten
-  for (int p = 0; p < P; ++p) {
-    const int j = lane + 32 * p;
-    if (j < D) {
-      float acc = 0.0f;
-      for (int d = 0; d < D; ++d) acc += (float)sk[j * D + d] * sh_r[slot * D + d];
-      sh_codes[slot * D + j] = acc >= 0.0f ? 1u : 0u;
-    }
+  for (int j = lane; j < SKM; j += 32) {
+    float acc = 0.0f;
+    for (int d = 0; d < D; ++d) acc += (float)sk[(long)j * D + d] * sh_r[slot * D + d];
+    sh_codes[slot * CW + j] = acc >= 0.0f ? 1u : 0u;
   }
   BARRIER();
   if (valid) {
-    for (int w = lane; w < D / 32; w += 32) {
+    for (int w = lane; w < SKM / 32; w += 32) {
       U32 word = 0;
-      for (int b = 0; b < 32; ++b) word |= sh_codes[slot * D + 32 * w + b] << b;
-      signs[row * (D / 32) + w] = word;
+      for (int b = 0; b < 32; ++b) word |= sh_codes[slot * CW + 32 * w + b] << b;
+      signs[row * (SKM / 32) + w] = word;
     }
+#if STAGES == 1
     if (lane == 0) rnorm[row] = static_cast<TN>(sqrt(r2));
+#endif
   }
 #endif
 #if STAGES == 2
@@ -126,7 +138,7 @@ _ENCODE_BODY = """
       const float c2 = cen2[code2];
       dot += x[p] * c2;
       sq += c2 * c2;
-      sh_codes[slot * D + d] = (U32)code2;
+      sh_codes[slot * CW + d] = (U32)code2;
     }
   }
   for (int m = 16; m > 0; m >>= 1) dot += LANE_XOR(dot, m);
@@ -137,7 +149,7 @@ _ENCODE_BODY = """
       U32 word = 0;
       for (int d = (32 * w) / B2; d < D && d * B2 < 32 * w + 32; ++d) {
         const int shift = d * B2 - 32 * w;
-        const U32 c = sh_codes[slot * D + d];
+        const U32 c = sh_codes[slot * CW + d];
         word |= shift >= 0 ? (c << shift) : (c >> (-shift));
       }
       residual[row * (D * B2 / 32) + w] = word;
@@ -149,21 +161,24 @@ _ENCODE_BODY = """
 
 
 
-# Backends where turboquant_prod's keys encode through the kernel (one stage and the residual's sketch); elsewhere
-# through MLX operations. The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py);
+# Backends where sketched keys (turboquant_prod's, qjl's) encode through the kernel; elsewhere through MLX
+# operations. The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py);
 # CUDA and Metal join once the GPU parity test passes (tests/test_kvcache_kernels.py).
 SKETCH_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
 @functools.cache
 def encode_source(stages: int, sketch: bool = False) -> KernelSource:
-    """The encode kernel for one (turboquant) or two (rvq) codebook stages; `sketch`: one stage, then the
-    residual's norm and the signs of its d×d sketch (turboquant_prod's keys)."""
-    if stages not in (1, 2) or (sketch and stages != 1):
-        raise ValueError(f"The codebook encode kernel has one or two stages (one with a sketch), not {stages}.")
-    inputs = ("xin", "bnd1", "cen1") + (("bnd2", "cen2") if stages == 2 else ()) + (("sk",) if sketch else ())
-    outputs = (("norms", "packed") + (("residual", "rscales") if stages == 2 else ())
-               + (("rnorm", "signs") if sketch else ()))
+    """The encode kernel for one (turboquant) or two (rvq) codebook stages; with `sketch`, the signs of a sketch
+    too: of the residual after one stage, whose norm is stored as well (turboquant_prod's keys), or, with no stage,
+    of the vector itself (qjl's keys)."""
+    if not ((stages in (1, 2) and not sketch) or (stages in (0, 1) and sketch)):
+        raise ValueError(f"The codebook encode kernel has one or two stages, or a sketch after none or one; "
+                         f"not {stages} stages{' with a sketch' if sketch else ''}.")
+    inputs = ("xin", *(("bnd1", "cen1") if stages >= 1 else ()), *(("bnd2", "cen2") if stages == 2 else ()),
+              *(("sk",) if sketch else ()))
+    outputs = ("norms", *(("packed",) if stages >= 1 else ()), *(("residual", "rscales") if stages == 2 else ()),
+               *(("rnorm",) if sketch and stages == 1 else ()), *(("signs",) if sketch else ()))
     return KernelSource(
         name=f"velox_codebook_encode{stages}" + ("_sketch" if sketch else ""),
         input_names=inputs,
@@ -183,8 +198,9 @@ def codebook_encode(
     """Encode [..., n, D] vectors; `stages` = [(bits, centroids, boundaries)] (one or two stages).
 
     Returns [norms [..., n, 1], codes [..., n, D·bits/32]] and for two stages also
-    [residual codes, residual scales [..., n, 1]], norms and scales in `norm_dtype`; with a d×d `sketch` (one
-    stage) also [the residual's norms [..., n, 1], the signs of its sketch, packed [..., n, D/32]].
+    [residual codes, residual scales [..., n, 1]], norms and scales in `norm_dtype`. With an m×D `sketch` and one
+    stage (m = D) also [the residual's norms [..., n, 1], the signs of its sketch, packed [..., n, m/32]]; with a
+    sketch and no stage [norms, the signs of the vectors' sketch].
     """
     if vectors.ndim != 4:
         raise ValueError(f"codebook_encode takes [batch, heads, tokens, head_dim], got {vectors.shape}.")
@@ -192,8 +208,8 @@ def codebook_encode(
     rows = lead[0] * lead[1] * n
     inputs = []
     template: list[tuple[str, object]] = [("D", head_dim), ("NT", THREADS), ("TN", norm_dtype)]
-    output_shapes = [(*lead, n, 1), (*lead, n, head_dim * stages[0][0] // 32)]
-    output_dtypes = [norm_dtype, mx.uint32]
+    output_shapes = [(*lead, n, 1)] + ([(*lead, n, head_dim * stages[0][0] // 32)] if stages else [])
+    output_dtypes = [norm_dtype] + ([mx.uint32] if stages else [])
     for index, (bits, centroids, boundaries) in enumerate(stages, start=1):
         inputs += [boundaries.astype(mx.float32), centroids.astype(mx.float32)]
         template += [(f"B{index}", bits), (f"NB{index}", int(boundaries.shape[0]))]
@@ -201,9 +217,14 @@ def codebook_encode(
         output_shapes += [(*lead, n, head_dim * stages[1][0] // 32), (*lead, n, 1)]
         output_dtypes += [mx.uint32, norm_dtype]
     if sketch is not None:
+        rows_m = int(sketch.shape[0])
         inputs.append(sketch)
-        output_shapes += [(*lead, n, 1), (*lead, n, head_dim // 32)]
-        output_dtypes += [norm_dtype, mx.uint32]
+        template.append(("SKM", rows_m))
+        if stages:
+            output_shapes.append((*lead, n, 1))
+            output_dtypes.append(norm_dtype)
+        output_shapes.append((*lead, n, rows_m // 32))
+        output_dtypes.append(mx.uint32)
     run = kernel(encode_source(len(stages), sketch is not None), backend)
     groups = (rows + THREADS // 32 - 1) // (THREADS // 32)
     return run(

@@ -33,6 +33,7 @@ from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels.encode import codebook_encode
 from engine.kvcache.methods.affine import (
     AFFINE_GROUP_SIZES,
     SCALE_BITS,
@@ -121,6 +122,16 @@ class VeloxQJLKVCache(SegmentedKVCache):
     # ----- encode / decode --------------------------------------------------------------------------------
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        # The keys' norms and sketch signs in one launch where the backend is in kernels.encode.SKETCH_BACKENDS.
+        mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
+        backend = _kernels.available_backend() if mode != "off" else None
+        if backend in _kernels.encode.SKETCH_BACKENDS and keys.ndim == 4:
+            norms, signs = codebook_encode(keys, [], self._dense_dtype, backend, sketch=self._sketch)
+            return {
+                "key_codes": signs,
+                "key_norms": norms,
+                **affine_quantize(values, "value", self.config.group_size, self.config.value_bits),
+            }
         keys = keys.astype(mx.float32)
         return {
             "key_codes": sketch_signs(keys, self._sketch),
