@@ -407,11 +407,11 @@ def test_decode_kernel_short_caches_and_sinks_only() -> None:
 def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
     value sits within float rounding of a boundary: at most 1 in 10,000); turboquant_prod's keys also their
-    residual's norm and sketch signs (its backend let into encode.SKETCH_BACKENDS for the test, in case it is not
+    residual's norm and sketch signs (its backend let into encode.SKETCH_ENCODE_BACKENDS for the test, in case it is not
     there yet: the parity run behind a backend's place there)."""
     from engine.kvcache.kernels import encode
 
-    monkeypatch.setattr(encode, "SKETCH_BACKENDS", (*encode.SKETCH_BACKENDS, available_backend()))
+    monkeypatch.setattr(encode, "SKETCH_ENCODE_BACKENDS", (*encode.SKETCH_ENCODE_BACKENDS, available_backend()))
     config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
     head_dim = 64 if bits == 3 else 128  # 3-bit codes straddle words at either width
     cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
@@ -440,10 +440,10 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
 @pytest.mark.parametrize("bits,head_dim", [(4, 128), (2, 64)])
 def test_qjl_encode_kernel_matches_reference(bits: int, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """qjl's keys (norms and the signs of the key_bits·D-row sketch) encoded in one launch against the reference on
-    the CPU stream (its backend let into encode.SKETCH_BACKENDS for the test: the parity run behind its place)."""
+    the CPU stream (its backend let into encode.SKETCH_ENCODE_BACKENDS for the test: the parity run behind its place)."""
     from engine.kvcache.kernels import encode
 
-    monkeypatch.setattr(encode, "SKETCH_BACKENDS", (*encode.SKETCH_BACKENDS, available_backend()))
+    monkeypatch.setattr(encode, "SKETCH_ENCODE_BACKENDS", (*encode.SKETCH_ENCODE_BACKENDS, available_backend()))
     config = KVCacheConfig(method="qjl", key_bits=bits, options={"kernels": "auto"})
     cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
     keys = mx.array(np.random.default_rng(bits).standard_normal((1, 2, 777, head_dim), dtype=np.float32))

@@ -22,7 +22,7 @@ The rotation itself stays in MLX (`_keys_in`: a Hadamard transform), as on the r
 Sketched keys take a sketch variant (`sketch=True`): turboquant_prod's after their (b-1)-bit codes, the residual
 r = u - c[code] (its norm ‖r‖ stored too), qjl's with no codebook stage, the key itself, go to shared memory; each
 lane computes every 32nd row of S r for the m×D sketch S (float16, read from device memory; m = D, or key_bits·D
-for qjl), and the warp packs their signs (1 = non-negative). Where the backend is not in SKETCH_BACKENDS (a GPU
+for qjl), and the warp packs their signs (1 = non-negative). Where the backend is not in SKETCH_ENCODE_BACKENDS (a GPU
 parity run decides), those keys encode through MLX operations.
 """
 
@@ -164,7 +164,7 @@ _ENCODE_BODY = """
 # Backends where sketched keys (turboquant_prod's, qjl's) encode through the kernel; elsewhere through MLX
 # operations. The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py);
 # CUDA and Metal join once the GPU parity test passes (tests/test_kvcache_kernels.py).
-SKETCH_BACKENDS: tuple[str, ...] = ("emulate",)
+SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
 @functools.cache

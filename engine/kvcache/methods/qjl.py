@@ -122,10 +122,10 @@ class VeloxQJLKVCache(SegmentedKVCache):
     # ----- encode / decode --------------------------------------------------------------------------------
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        # The keys' norms and sketch signs in one launch where the backend is in kernels.encode.SKETCH_BACKENDS.
+        # The keys' norms and sketch signs in one launch where the backend is in kernels.encode.SKETCH_ENCODE_BACKENDS.
         mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
         backend = _kernels.available_backend() if mode != "off" else None
-        if backend in _kernels.encode.SKETCH_BACKENDS and keys.ndim == 4:
+        if backend in _kernels.encode.SKETCH_ENCODE_BACKENDS and keys.ndim == 4:
             norms, signs = codebook_encode(keys, [], self._dense_dtype, backend, sketch=self._sketch)
             return {
                 "key_codes": signs,

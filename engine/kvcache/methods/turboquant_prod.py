@@ -112,13 +112,13 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
 
     def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
         """Values as turboquant's; keys in one launch too (their codes, then the residual's norm and the signs of
-        its sketch) where the backend is in kernels.encode.SKETCH_BACKENDS, else through `_encode_role`."""
+        its sketch) where the backend is in kernels.encode.SKETCH_ENCODE_BACKENDS, else through `_encode_role`."""
         centroids, boundaries = self._codebooks[f"{role}0"]
         if role == "value":
             parts = codebook_encode(vectors, [(self.config.value_bits, centroids, boundaries)], self._dense_dtype,
                                     backend)
             return dict(zip(["value_norms", "value_codes"], parts, strict=True))
-        if backend not in _kernels.encode.SKETCH_BACKENDS:
+        if backend not in _kernels.encode.SKETCH_ENCODE_BACKENDS:
             return self._encode_role(vectors, role)
         parts = codebook_encode(vectors, [(self.config.key_bits - 1, centroids, boundaries)], self._dense_dtype,
                                 backend, sketch=self._sketch)
