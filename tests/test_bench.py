@@ -585,6 +585,20 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert int(text) == round(100 * pair[True] / pair[False]), (context, text, pair)
     checked.append(rope[0])
 
+    whole = re.search(r"the three levels\s+decode at (\d\.\d\d)–(\d\.\d\d)× of the 16-bit cache's speed at 8k tokens, "
+                      r"(\d\.\d\d)–(\d\.\d\d)× at 32k and (\d\.\d\d)–(\d\.\d\d)× at 131k \(one run,\s+two interleaved "
+                      r"rounds: `benchmarks/results/decode-h200.json`", section)
+    assert whole, "README no longer quotes the levels' whole-model decode on the GPU"
+    decode_run = json.loads((COMMITTED / "decode-h200.json").read_text())
+    assert decode_run["rounds"] == 2
+    for low, high, context in zip(whole.groups()[0::2], whole.groups()[1::2], (8193, 32769, 131073), strict=True):
+        levels_here = [r for r in decode_run["rows"] if r["context"] == context and "wide=0.1" in r["spec"]
+                       and "rope=pre" in r["spec"]]
+        assert sorted(KVCacheConfig.parse(r["spec"]).key_bits for r in levels_here) == [2, 3, 4]
+        ratios = [r["vs_fp16"] for r in levels_here]
+        assert close(low, min(ratios)) and close(high, max(ratios)), (context, low, high, ratios)
+    checked.append(whole[0])
+
     two = re.search(r"The 2-bit level \(clip search, rotated values, a tenth of the layers one bit wider\) loses "
                     r"([+\d.]+) % perplexity\s+on (\d)k-token windows of held-out prose, and ([+\d.]+) % with keys "
                     r"before RoPE, where the 2-bit level it replaced lost\s+([+\d.]+) % and ([+\d.]+) %", section)
