@@ -1064,8 +1064,8 @@ SKETCH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -> str | None:
     """Why the attention pass cannot read sketched keys (`key` a SKETCH_KINDS codec) here, or None: the backend
-    (None: not known here) must have passed the parity tests, and the sketched query rows (R·SK·D floats) must leave the pass's threadgroup
-    memory under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
+    (None: not known here) must have passed the parity tests, and with the sketched query rows (R·SK·D floats)
+    the pass's threadgroup memory must stay under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
     if backend is not None and backend not in SKETCH_BACKENDS:
         return f"the decode kernel's {key.kind} keys have not passed the parity tests on this backend yet"
     sketch = key.bits if key.kind == "qjl" else 1  # SK
