@@ -55,6 +55,10 @@ SPECS = (
     "qjl:k1v4:g64",
     "qjl:k4v4:g64:w3:s1",
     "qjl:k2v2:g32",
+    # PolarQuant: each lane rebuilds its 8 channels from the angles on their path (codec "polar").
+    "polarquant:k4v4:g64",
+    "polarquant:k3v3:g64:w5:s2",
+    "polarquant:k2v2:g64",
 )
 TOKENS = (1, 5, 130, 300)
 # (head_dim, query heads per kv head): 2 rows leave warps of the staged KIVI keys without a row to reduce

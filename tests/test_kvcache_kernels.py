@@ -38,6 +38,8 @@ CODEC_PAIRS = (
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
     *[(Codec("prod", b - 1), Codec("codebook", b)) for b in (2, 3, 4)],  # turboquant_prod
     *[(Codec("qjl", b), Codec("affine", 4)) for b in (1, 2, 4)],
+    *[(Codec("polar", b + 1, b - 1, levels=levels), Codec("polar", b + 1, b - 1, levels=levels))
+      for b in (2, 3, 4) for levels in (6, 7)],
 )
 ALL_SOURCES = (
     MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
@@ -136,6 +138,7 @@ def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
             "rvq": (mx.uint32, mx.bfloat16, mx.float32, mx.uint32, mx.bfloat16, mx.float32),
             "prod": (mx.uint32, mx.bfloat16, mx.float32, mx.bfloat16, mx.uint32),
             "qjl": (mx.uint32, mx.bfloat16),
+            "polar": (mx.uint32, mx.bfloat16, mx.uint32, *[mx.float32] * codec.levels),
         }[codec.kind]
         dtypes |= {f"{prefix}{i}": dtype for i, dtype in enumerate(kinds)}
     if key.kind in ("prod", "qjl"):
@@ -217,9 +220,9 @@ def test_cpu_falls_back_under_auto_and_require_says_why() -> None:
 
 
 def test_caches_without_a_kernel_say_why() -> None:
-    """What `kernels='require'` reports on a GPU, and `auto` silently falls back on: polarquant has no decode
-    kernel; KIVI's own key blocks and sinks' copies, and the sketched keys of qjl and turboquant_prod, have
-    variants (a backend not in decode.SKETCH_BACKENDS would decline the latter: next test)."""
+    """What `kernels='require'` reports on a GPU, and `auto` silently falls back on: KIVI's own key blocks and
+    sinks' copies, the sketched keys of qjl and turboquant_prod and PolarQuant's angles have variants (a backend not
+    in decode.SKETCH_BACKENDS or POLAR_BACKENDS would decline them: next test)."""
     shape = ModelShape(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=64)
     rng = np.random.default_rng(0)
     keys = mx.array(rng.standard_normal((1, 1, 300, 64), dtype=np.float32))
@@ -232,8 +235,20 @@ def test_caches_without_a_kernel_say_why() -> None:
     assert reason(KVCacheConfig("kivi", 4, group_size=64)) is None
     # KIVI's own key blocks and its sinks' copies in the block stream have kernel variants too
     assert reason(KVCacheConfig("kivi", 4, group_size=64, options={"key_block": 128}, sink_tokens=4)) is None
-    assert reason(KVCacheConfig("polarquant", 4)) == "method 'polarquant' has no decode kernel"
-    assert reason(KVCacheConfig("qjl", 4)) is None and reason(KVCacheConfig("turboquant_prod", 4)) is None
+    for method in ("polarquant", "qjl", "turboquant_prod"):
+        assert reason(KVCacheConfig(method, 4)) is None, method
+
+
+def test_polar_codec_waits_for_its_parity_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kvcache import kernels
+    from engine.kvcache.kernels import decode
+
+    config = KVCacheConfig("polarquant", 4)
+    cache = KVCacheBuilder(config).for_shape(ModelShape(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=64)).build()[0]
+    monkeypatch.setattr(kernels, "available_backend", lambda: "some-new-backend")
+    assert "parity" in cache._kernel_declines_here(4)
+    monkeypatch.setattr(decode, "POLAR_BACKENDS", ("some-new-backend",))
+    assert cache._kernel_declines_here(4) is None
 
 
 def test_sketched_keys_wait_for_their_parity_run_and_fit_the_threadgroup() -> None:
@@ -311,15 +326,19 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("spec", [("turboquant_prod", 4, 64, 0, 0), ("turboquant_prod", 2, 64, 5, 2), ("qjl", 4, 64, 0, 0),
-                                  ("qjl", 2, 32, 3, 1)], ids=lambda s: "-".join(map(str, s)))
+                                  ("qjl", 2, 32, 3, 1), ("polarquant", 4, 64, 0, 0), ("polarquant", 3, 64, 5, 2),
+                                  ("polarquant", 2, 64, 0, 0)], ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("tokens", (70, 1000, 4097))
-def test_decode_kernel_reads_sketched_keys(spec: tuple, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """turboquant_prod's and qjl's keys (a second, sketched query) through the attention pass on this GPU (its
-    backend let into decode.SKETCH_BACKENDS for the test, in case it is not there yet) against the reference path
-    in float32 on the CPU stream: the parity run behind a backend's place in SKETCH_BACKENDS."""
+def test_decode_kernel_reads_sketched_keys_and_polar_angles(spec: tuple, tokens: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """turboquant_prod's and qjl's keys (a second, sketched query) and PolarQuant's angles through the attention
+    pass on this GPU (its backend let into decode.SKETCH_BACKENDS and POLAR_BACKENDS for the test, in case it is
+    not there yet) against the reference path in float32 on the CPU stream: the parity run behind a backend's place
+    in those lists."""
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "SKETCH_BACKENDS", (*decode.SKETCH_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "POLAR_BACKENDS", (*decode.POLAR_BACKENDS, available_backend()))
     method, bits, group, window, sinks = spec
     for head_dim, n_kv, repeats in ((128, 2, 4), (64, 3, 2)):
         fused = _filled(method, bits, group, window, sinks, tokens, "require", head_dim, n_kv, mx.bfloat16,
@@ -328,7 +347,7 @@ def test_decode_kernel_reads_sketched_keys(spec: tuple, tokens: int, monkeypatch
                                                                              dtype=np.float32)).astype(mx.bfloat16)
         out = fused.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
         plan = fused._decode_plan(repeats)
-        assert plan is not None and plan.sketch
+        assert plan is not None and plan.sketch == (method != "polarquant")
         with mx.stream(mx.cpu):
             ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=head_dim**-0.5,
                                                  mask=None)

@@ -175,6 +175,9 @@ _CODEC_MACROS = {
   kmul2[u] = 1.0f; \\
   mul = (float){P}1[row_]; }}
 """,
+    # PolarQuant: level-1 angle codes (BITS), norms, the higher levels' angle codes (BITS2; levels 2..L in turn, then
+    # one padding code), and one centroid table per level 1..L. Its text depends on L (`_polar_macro`).
+    "polar": "",
 }
 _CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6, "prod": 5, "qjl": 2}
 # Key codecs with a sign sketch (a second, sketched query: `attend_source` adds the input qry2).
@@ -208,6 +211,16 @@ INLINE float unit_code(U32 x, int i, int bits, U32 one) {
   const int up = 23 - bits;
   const U32 placed = (i * bits >= up) ? (x >> (i * bits - up)) : (x << (up - i * bits));
   return AS_F32(one | (placed & (((1u << bits) - 1u) << up)));
+}
+
+// Code `i` of a row packed as a little-endian bit stream of `bits`-bit codes (1-8 bits; it may straddle two words).
+INLINE U32 code_at(const GLOBAL U32* row, int i, int bits) {
+  const int bit = i * bits;
+  const int w = bit >> 5;
+  const int sh = bit & 31;
+  U64 x = (U64)row[w];
+  if (sh + bits > 32) x |= ((U64)row[w + 1]) << 32;
+  return ((U32)(x >> sh)) & ((1u << bits) - 1u);
 }
 
 // The 8·bits bits of codes [first, first + 8), shifted down to bit 0 (bits of later codes above them).
@@ -921,25 +934,74 @@ class Codec:
     # Codes on a non-uniform grid (KIVI's key_grid / value_grid options): the role's arrays end with the grid's
     # levels in code units (float32, 16 entries); only the tiled pass reads them.
     grid: bool = False
+    # PolarQuant's levels L (head_dim = 2^L); 0 for every other kind.
+    levels: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in _CODEC_MACROS:
             raise ValueError(f"Unknown codec kind {self.kind!r}; known are {', '.join(_CODEC_MACROS)}.")
+        if (self.kind == "polar") != (self.levels >= 3):
+            raise ValueError("A polar codec needs its levels (at least 3: 8 channels a lane); no other codec has any.")
 
     @property
     def slots(self) -> int:
         """How many arrays this codec reads (see `_CODEC_MACROS` for their order)."""
-        return _CODEC_SLOTS[self.kind]
+        return 3 + self.levels if self.kind == "polar" else _CODEC_SLOTS[self.kind]
 
     def macro(self, role: str) -> str:
         prefix = "k" if role == "KEY" else "v"
+        if self.kind == "polar":
+            return _polar_macro(role, prefix, self.bits, self.bits2, self.levels)
         return _CODEC_MACROS[self.kind].format(ROLE=role, P=prefix, BITS=self.bits, BITS2=self.bits2)
 
     @property
     def supported(self) -> bool:
         """Code widths `unpack8u` reads in at most two words (all but 7 bits; 1-8 bits)."""
-        widths = (self.bits, self.bits2) if self.kind == "rvq" else (self.bits,)
+        widths = (self.bits, self.bits2) if self.kind in ("rvq", "polar") else (self.bits,)
         return all(1 <= b <= 8 and b != 7 for b in widths)
+
+
+def _polar_macro(role: str, prefix: str, first_bits: int, higher_bits: int, levels: int) -> str:
+    """LOAD_<role> for PolarQuant with L = `levels`: a lane's 8 channels [8·lane, 8·lane + 8) are one level-3 node,
+    so the angles above it (levels L..4, one per level) give the node's radius, the level-3 angle splits it in two,
+    the two level-2 angles in four and the four level-1 angles give the 8 values: x = radius · (cos or sin of each
+    angle on the path; cos on the even child). Level l's angles start at code D/2 - D/2^(l-1) of the higher-level
+    codes; level-1 angles lie in [0, 2π), where SINCOS_PI takes ψ - π and both results change sign. Tables: slot
+    3 + (l - 1) for level l. The product with the radius runs from the top level down, as the reference does."""
+    p, d = prefix, 1 << levels
+
+    def angle(level: int, index: str) -> str:
+        return f"{p}{3 + level - 1}[code_at(a_, {d // 2 - d // (1 << (level - 1))} + ({index}), {higher_bits})]"
+
+    lines = [
+        f"#define LOAD_{role}(c, out, mul) {{ \\",
+        f"  const long row_ = (long)bh * {p}0_shape[2] + (c); \\",
+        f"  const GLOBAL U32* a_ = {p}2 + row_ * {p}2_shape[3]; \\",
+        f"  const GLOBAL U32* f_ = {p}0 + row_ * {p}0_shape[3]; \\",
+        "  float rho_ = 1.0f; \\",
+        "  float s_, c_; \\",
+    ]
+    for level in range(levels, 3, -1):
+        lines.append(f"  SINCOS_PI({angle(level, f'lane >> {level - 3}')}, s_, c_); \\")
+        lines.append(f"  rho_ *= ((lane >> {level - 4}) & 1) ? s_ : c_; \\")
+    lines += [
+        f"  SINCOS_PI({angle(3, 'lane')}, s_, c_); \\",
+        "  const float r0_ = rho_ * c_; \\",
+        "  const float r1_ = rho_ * s_; \\",
+        "  float q_[4]; \\",
+        f"  SINCOS_PI({angle(2, '2 * lane')}, s_, c_); \\",
+        "  q_[0] = r0_ * c_; \\",
+        "  q_[1] = r0_ * s_; \\",
+        f"  SINCOS_PI({angle(2, '2 * lane + 1')}, s_, c_); \\",
+        "  q_[2] = r1_ * c_; \\",
+        "  q_[3] = r1_ * s_; \\",
+        "  for (int j_ = 0; j_ < 4; ++j_) { \\",
+        f"    SINCOS_PI({p}3[code_at(f_, 4 * lane + j_, {first_bits})] - 3.14159265358979f, s_, c_); \\",
+        "    out[2 * j_] = -q_[j_] * c_; \\",
+        "    out[2 * j_ + 1] = -q_[j_] * s_; } \\",
+        f"  mul = (float){p}1[row_]; }}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 _UNSTAGED_KEYS = "#define KEY_STAGED 0\n#define QSLOTS 1\n#define KC_WORDS 1\n"
@@ -954,7 +1016,8 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
         "qry", *(("qry2",) if key.kind in SKETCH_KINDS else ()), "qscale", "sink_k", "sink_v", "win_k", "win_v",
         "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
     )
-    name = f"velox_decode_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}"
+    name = (f"velox_decode_{key.kind}{key.bits}_{key.bits2}{'_l' + str(key.levels) if key.levels else ''}_"
+            f"{value.kind}{value.bits}_{value.bits2}{'_l' + str(value.levels) if value.levels else ''}")
     staged = "" if key.kind == "kivi_keys" else _UNSTAGED_KEYS
     return KernelSource(
         name=name,
@@ -1055,11 +1118,17 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
 # Backends where the sketch codecs (turboquant_prod's and qjl's keys) run; elsewhere those caches attend through the
 # reference path. The CPU emulator checks them against the reference (tests/test_kvcache_kernel_emulation.py); CUDA
 # passed the GPU parity test on the lent H200 (tests/test_kvcache_kernels.py::test_decode_kernel_reads_sketched_keys,
-# 70 and 4,097 tokens, head_dim 128 and 64), where a whole-model decode step at 8k / 32k tokens took 52 / 59 ms for
+# now ..._and_polar_angles; 70 and 4,097 tokens, head_dim 128 and 64), where a whole-model decode step at 8k / 32k tokens took 52 / 59 ms for
 # turboquant_prod:k4v4 and 23 / 39 ms for qjl:k4v4 against 138 / 359 and 88 / 192 ms through the reference
 # (benchmarks/results/decode-sketch-h200.json). Metal runs the same body (nothing in its prelude the other codecs do
 # not use): enabled by construction, as every kernel here.
 SKETCH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+
+
+# Backends where the polar codec (PolarQuant) runs; elsewhere polarquant caches attend through the reference path.
+# The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA and Metal join once
+# the GPU parity test passes there (tests/test_kvcache_kernels.py::test_decode_kernel_reads_sketched_keys_and_polar_angles).
+POLAR_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
 def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -> str | None:

@@ -9,7 +9,9 @@ higher-level codes fill whole 32-bit words), the same as b-bit `turboquant`. No 
 scales: after the rotation the angle laws are known in advance, which is PolarQuant's point.
 
 Reconstruction runs the transform backwards from radius 1, then multiplies by the norm. Attention decodes the
-history chunk by chunk each step, like `turboquant` (the shared `RotatedCodebookKVCache` path).
+history chunk by chunk each step, like `turboquant` (the shared `RotatedCodebookKVCache` path), except where the
+decode kernel reads the angle codes itself (codec "polar" of kernels/decode.py: each lane rebuilds its 8 channels
+from the angles on their path, on a backend in `POLAR_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.turboquant import NORM_BITS, Codebook, RotatedCodebookKVCache, centroid_lookup
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar
@@ -40,7 +44,8 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
         "PolarQuant: recursive polar transform of the rotated vector, level-1 angles at b+1 bits (uniform), "
-        "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; dequantized per step."
+        "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; dequantized per step (a GPU decode "
+        "kernel waits for its parity run)."
     )
     encode_kernel: ClassVar[bool] = False  # its polar angles is not what kernels/encode.py computes
 
@@ -107,3 +112,22 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
             start, size = start + size, size // 2
         ones = mx.ones((*higher.shape[:-1], 1), dtype=mx.float32)
         return polar_vector(angles, ones)
+
+    # ----- decode kernel ---------------------------------------------------------------------------------------
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        assert self._store is not None
+        store, levels = self._store, polar_levels(self._k_head_dim)
+        codecs: list = []
+        for role in ("key", "value"):
+            first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+            tables = [self._kernel_table(f"{role}{level}") for level in range(1, levels + 1)]
+            codecs += [Codec("polar", first_bits, higher_bits, levels=levels),
+                       [store[f"{role}_codes"], store[f"{role}_norms"], store[f"{role}_angle_codes"], *tables]]
+        return codecs[0], codecs[1], codecs[2], codecs[3]
+
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        backend = _kernels.available_backend()
+        if backend is not None and backend not in _kernels.decode.POLAR_BACKENDS:
+            return "the decode kernel's polar codec has not passed the parity tests on this backend yet"
+        return None
