@@ -842,7 +842,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if backend not in _kernels.dequantize.BACKENDS or self._store is None or self._k_head_dim != self._v_head_dim:
             return None
         codecs = self._kernel_codecs()
-        if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim):
+        if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim, backend):
             return None
         return backend, codecs
 

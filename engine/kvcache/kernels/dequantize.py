@@ -22,6 +22,7 @@ import functools
 
 import mlx.core as mx
 
+from engine.kvcache.kernels import decode as _decode
 from engine.kvcache.kernels.backend import RULER, KernelSource, kernel
 from engine.kvcache.kernels.decode import _HEADER, Codec
 
@@ -34,8 +35,10 @@ THREADS = 128
 # by construction, as the other kernels here (no Mac here: the GPU parity test runs on one).
 BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys are staged per
-# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize).
-KINDS = ("affine", "codebook", "rvq")
+# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize; the sketch codecs score
+# keys against a sketched query and have no 8 channels to write). PolarQuant's ("polar") only on a backend in
+# decode.POLAR_BACKENDS, where its decode pass has passed the parity tests.
+KINDS = ("affine", "codebook", "rvq", "polar")
 
 _BODY = """
   // Template: D (head_dim), G (affine group), TD (output dtype). Thread: 8 channels of one token of one kv head.
@@ -59,8 +62,10 @@ _BODY = """
 """
 
 
-def supported(key: Codec, value: Codec, head_dim: int) -> bool:
-    """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread)."""
+def supported(key: Codec, value: Codec, head_dim: int, backend: str | None = None) -> bool:
+    """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
+    if "polar" in (key.kind, value.kind) and backend not in _decode.POLAR_BACKENDS:  # read at call time
+        return False
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 
@@ -91,7 +96,7 @@ def dequantize_history(
 ) -> tuple[mx.array, mx.array]:
     """Keys and values [B, n_kv, n_tokens, head_dim] in `dtype`, decoded from the first `n_tokens` of the codecs'
     arrays (each [B, n_kv, capacity, ...], in the order `decode._CODEC_MACROS` documents)."""
-    if not supported(key, value, head_dim):
+    if not supported(key, value, head_dim, backend):
         raise ValueError(f"The history-decode kernel has no variant for {key} / {value} at head_dim {head_dim}.")
     batch, n_kv = key_arrays[0].shape[:2]
     threads = batch * n_kv * n_tokens * (head_dim // 8)
