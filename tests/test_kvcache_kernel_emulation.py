@@ -118,6 +118,38 @@ def test_emulated_decode_kernel_matches_reference(spec: str) -> None:
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("bits,window,sinks", [(2, 0, 0), (3, 5, 2), (1, 0, 0), (4, 0, 3)])
+def test_emulated_decode_kernel_reads_vq_codes(bits: int, window: int, sinks: int) -> None:
+    """Product VQ's codes (whole sub-vectors of 8, 4 or 2 channels per lane's 8; index codes of 6 or 8 bits)
+    through the decode pass and the history decode, against the lookup-table reference path."""
+    from tests.kvcache_helpers import tiny_vq_codebooks
+
+    for head_dim, rows in ((64, 4), (128, 2)):
+        config = KVCacheConfig("vq", bits, residual_window=window, sink_tokens=sinks,
+                               options={"codebooks": tiny_vq_codebooks(bits, head_dim=head_dim), "kernels": "require"})
+        shape = ModelShape(n_layers=1, n_heads=rows * N_KV, n_kv_heads=N_KV, head_dim=head_dim)
+        for tokens in (5, 130, 300):
+            cache = KVCacheBuilder(config).for_shape(shape).build()[0]
+            rng = np.random.default_rng(tokens + bits)
+            keys = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
+            values = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
+            cache = filled_then_stepped(cache, keys, values)
+            reference = _reference_of(cache)
+            queries = mx.array(rng.standard_normal((1, rows * N_KV, 1, head_dim), dtype=np.float32))
+            out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            ref = reference.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            if cache.n_compressed:
+                assert cache._decode_plan(rows) is not None, "the kernel path was not taken"
+                store = cache._compressed_view()
+                # the kernel decodes into the cache's 16-bit dtype (as a prefill attends), vq's reference in float32
+                for got, want in zip(cache._decoded_history(store, mx.float32),
+                                     reference._decoded_history(store, mx.float32), strict=True):
+                    assert float(mx.max(mx.abs(got - want) / (mx.abs(want) + 1e-3))) <= 2**-10
+            error = float(mx.max(mx.abs(out - ref)))
+            assert np.isfinite(error) and error <= 2e-3, (bits, head_dim, tokens, error)
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "kivi:k3v3:g32:w9:s4"])
 def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI keys + affine values take the tiled pass by default; its variants (tiles loaded ahead or not,

@@ -40,6 +40,7 @@ CODEC_PAIRS = (
     *[(Codec("qjl", b), Codec("affine", 4)) for b in (1, 2, 4)],
     *[(Codec("polar", b + 1, b - 1, levels=levels), Codec("polar", b + 1, b - 1, levels=levels))
       for b in (2, 3, 4) for levels in (6, 7)],
+    *[(Codec("vq", index, g), Codec("vq", index, g)) for index, g in ((8, 8), (8, 4), (6, 2), (8, 2))],  # 1-4 bits
 )
 ALL_SOURCES = (
     MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
@@ -139,6 +140,7 @@ def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
             "prod": (mx.uint32, mx.bfloat16, mx.float32, mx.bfloat16, mx.uint32),
             "qjl": (mx.uint32, mx.bfloat16),
             "polar": (mx.uint32, mx.bfloat16, mx.uint32, *[mx.float32] * codec.levels),
+            "vq": (mx.uint32, mx.bfloat16, mx.float16),
         }[codec.kind]
         dtypes |= {f"{prefix}{i}": dtype for i, dtype in enumerate(kinds)}
     if key.kind in ("prod", "qjl"):
@@ -404,6 +406,32 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
             assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
             error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)) / (mx.abs(ref.astype(mx.float32)) + 1e-3)
             assert float(mx.max(error)) <= (1e-6 if method in ("turboquant", "rvq") else 2**-7), (spec, tokens)
+
+
+@needs_gpu
+@pytest.mark.parametrize("bits", [2, 3, 1, 4])
+@pytest.mark.parametrize("tokens", (70, 4097))
+def test_decode_kernel_reads_vq_codes(bits: int, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Product VQ's codes through the attention pass on this GPU (its backend let into decode.VQ_BACKENDS for the
+    test) against the lookup-table reference in float32 on the CPU stream: the parity run behind its place there."""
+    from engine.kvcache.kernels import decode
+    from tests.kvcache_helpers import tiny_vq_codebooks
+
+    monkeypatch.setattr(decode, "VQ_BACKENDS", (*decode.VQ_BACKENDS, available_backend()))
+    for head_dim, n_kv, repeats in ((128, 2, 4), (64, 3, 2)):
+        options = {"codebooks": tiny_vq_codebooks(bits, head_dim=head_dim)}
+        fused = _filled("vq", bits, 64, 3, 2, tokens, "require", head_dim, n_kv, mx.bfloat16, seed=tokens,
+                        options=options)
+        queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, n_kv * repeats, 1, head_dim),
+                                                                             dtype=np.float32)).astype(mx.bfloat16)
+        out = fused.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+        assert fused._decode_plan(repeats) is not None
+        with mx.stream(mx.cpu):
+            ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=head_dim**-0.5,
+                                                 mask=None)
+            mx.eval(ref)
+        error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
+        assert np.isfinite(error) and error <= 2e-3, f"vq {bits} tokens={tokens} D={head_dim}: max abs err {error}"
 
 
 @needs_gpu

@@ -175,11 +175,22 @@ _CODEC_MACROS = {
   kmul2[u] = 1.0f; \\
   mul = (float){P}1[row_]; }}
 """,
+    # Product VQ: codes of BITS2-channel sub-vectors (BITS each: index bits), norms [B,H,cap,1], the role's
+    # centroids [K, BITS2] (16-bit): a lane's 8 channels are 8 / BITS2 whole sub-vectors.
+    "vq": """
+#define LOAD_{ROLE}(c, out, mul) {{ \\
+  const long row_ = (long)bh * {P}0_shape[2] + (c); \\
+  const GLOBAL U32* r_ = {P}0 + row_ * {P}0_shape[3]; \\
+  for (int j_ = 0; j_ < 8 / {BITS2}; ++j_) {{ \\
+    const U32 code_ = code_at(r_, (lane * 8) / {BITS2} + j_, {BITS}); \\
+    for (int i_ = 0; i_ < {BITS2}; ++i_) out[j_ * {BITS2} + i_] = (float){P}2[code_ * {BITS2} + i_]; }} \\
+  mul = (float){P}1[row_]; }}
+""",
     # PolarQuant: level-1 angle codes (BITS), norms, the higher levels' angle codes (BITS2; levels 2..L in turn, then
     # one padding code), and one centroid table per level 1..L. Its text depends on L (`_polar_macro`).
     "polar": "",
 }
-_CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6, "prod": 5, "qjl": 2}
+_CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6, "prod": 5, "qjl": 2, "vq": 3}
 # Key codecs with a sign sketch (a second, sketched query: `attend_source` adds the input qry2).
 SKETCH_KINDS = ("prod", "qjl")
 
@@ -957,6 +968,8 @@ class Codec:
     @property
     def supported(self) -> bool:
         """Code widths `unpack8u` reads in at most two words (all but 7 bits; 1-8 bits)."""
+        if self.kind == "vq":  # whole sub-vectors per lane's 8 channels; codes read one at a time
+            return 1 <= self.bits <= 8 and self.bits2 in (1, 2, 4, 8)
         widths = (self.bits, self.bits2) if self.kind in ("rvq", "polar") else (self.bits,)
         return all(1 <= b <= 8 and b != 7 for b in widths)
 
@@ -1124,6 +1137,11 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
 # not use): enabled by construction, as every kernel here.
 SKETCH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+
+# Backends where the vq codec (product VQ) runs; elsewhere vq caches attend through their lookup-table path. The CPU
+# emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA and Metal join once the GPU
+# parity test passes there (tests/test_kvcache_kernels.py::test_decode_kernel_reads_vq_codes).
+VQ_BACKENDS: tuple[str, ...] = ("emulate",)
 
 # Backends where the polar codec (PolarQuant) runs; elsewhere polarquant caches attend through the reference path.
 # The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA and Metal join once

@@ -36,9 +36,9 @@ THREADS = 128
 BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys are staged per
 # tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize; the sketch codecs score
-# keys against a sketched query and have no 8 channels to write). PolarQuant's ("polar") only on a backend in
-# decode.POLAR_BACKENDS, where its decode pass has passed the parity tests.
-KINDS = ("affine", "codebook", "rvq", "polar")
+# keys against a sketched query and have no 8 channels to write). PolarQuant's ("polar") and product VQ's ("vq")
+# only on a backend in decode.POLAR_BACKENDS / VQ_BACKENDS, where their decode pass has passed the parity tests.
+KINDS = ("affine", "codebook", "rvq", "polar", "vq")
 
 _BODY = """
   // Template: D (head_dim), G (affine group), TD (output dtype). Thread: 8 channels of one token of one kv head.
@@ -64,7 +64,8 @@ _BODY = """
 
 def supported(key: Codec, value: Codec, head_dim: int, backend: str | None = None) -> bool:
     """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
-    if "polar" in (key.kind, value.kind) and backend not in _decode.POLAR_BACKENDS:  # read at call time
+    gated = {"polar": _decode.POLAR_BACKENDS, "vq": _decode.VQ_BACKENDS}  # read at call time
+    if any(kind in gated and backend not in gated[kind] for kind in (key.kind, value.kind)):
         return False
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)

@@ -14,7 +14,8 @@ Attention: q·k = (q ⊙ s)·(x / s), so queries are multiplied by s and rotated
 and sub-space j a table LUT[j, c] = q_j · centroid_c is built once per step ([R, d/g, K]); a key's score is
 its norm times Σ_j LUT[j, code_j], read by one gather over the history's codes (chunked, nothing decoded).
 Values are decoded chunk by chunk (centroids times norms), weighted, and the output is rotated back and
-multiplied by the values' s.
+multiplied by the values' s. On a backend in kernels.decode.VQ_BACKENDS the decode kernel reads the codes, norms and
+centroids of both roles instead (codec "vq"), and a prefill chunk's history decode too.
 
 Config: option `codebooks` = the folder given to `--out` (or the file itself); keys and values use the same
 bits (one file per bit width). The file must come from this model (architecture hash and shape), with this
@@ -30,8 +31,10 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels import Codec
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.methods.turboquant import NORM_BITS
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
@@ -194,6 +197,20 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
         codes = self._codes(store, role)
         unit = mx.take(centroids, codes, axis=0).reshape(*codes.shape[:-1], -1)
         return unit * store[f"{role}_norms"].astype(mx.float32)
+
+    def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
+        # The decode kernel reads the codes, norms and each role's centroids (codec "vq" of kernels/decode.py):
+        # q·k = norm · Σ_j q_j·centroid[code_j] in the smoothed, rotated space, as the lookup table computes it.
+        assert self._store is not None
+        store, codec = self._store, Codec("vq", index_bits(self.config.key_bits), self._g)
+        return (codec, [store["key_codes"], store["key_norms"], self._centroids["key"]],
+                codec, [store["value_codes"], store["value_norms"], self._centroids["value"]])
+
+    def _kernel_declines_here(self, rows: int) -> str | None:
+        backend = _kernels.available_backend()
+        if backend is not None and backend not in _kernels.decode.VQ_BACKENDS:
+            return "the decode kernel's vq codec has not passed the parity tests on this backend yet"
+        return None
 
     def _decode_keys(self, store: dict[str, mx.array]) -> mx.array:
         return self._decode_role(store, "key")
