@@ -53,6 +53,17 @@ _ENCODE_BODY = """
   constexpr int CW = D;
 #endif
   SHARED U32 sh_codes[VPG * CW];
+  // This vector's N codes of B bits (in sh_codes) packed into dst, a word per lane and round. Word w holds stream
+  // bits [32w, 32w + 32): codes floor(32w / B) .. while their first bit is below 32w + 32; a code that began in the
+  // word before adds its high bits (shifted right), one running past the end its low.
+#define PACK_CODES(dst, B, N) \\
+  for (int w = lane; w < (N) * (B) / 32; w += 32) { \\
+    U32 word = 0; \\
+    for (int d = (32 * w) / (B); d < (N) && d * (B) < 32 * w + 32; ++d) { \\
+      const int shift = d * (B) - 32 * w; \\
+      const U32 c = sh_codes[slot * CW + d]; \\
+      word |= shift >= 0 ? (c << shift) : (c >> (-shift)); } \\
+    dst[row * ((N) * (B) / 32) + w] = word; }
   float x[P];
   float ss = 0.0f;
   for (int p = 0; p < P; ++p) {
@@ -79,18 +90,8 @@ _ENCODE_BODY = """
     }
   }
   BARRIER();
-  // Word w holds stream bits [32w, 32w + 32): codes floor(32w / B) .. while their first bit is below 32w + 32;
-  // a code that began in the word before adds its high bits (shifted right), one running past the end its low.
   if (valid) {
-    for (int w = lane; w < D * B1 / 32; w += 32) {
-      U32 word = 0;
-      for (int d = (32 * w) / B1; d < D && d * B1 < 32 * w + 32; ++d) {
-        const int shift = d * B1 - 32 * w;
-        const U32 c = sh_codes[slot * CW + d];
-        word |= shift >= 0 ? (c << shift) : (c >> (-shift));
-      }
-      packed[row * (D * B1 / 32) + w] = word;
-    }
+    PACK_CODES(packed, B1, D);
   }
 #endif
 #if SKETCH
@@ -113,11 +114,7 @@ _ENCODE_BODY = """
   }
   BARRIER();
   if (valid) {
-    for (int w = lane; w < SKM / 32; w += 32) {
-      U32 word = 0;
-      for (int b = 0; b < 32; ++b) word |= sh_codes[slot * CW + 32 * w + b] << b;
-      signs[row * (SKM / 32) + w] = word;
-    }
+    PACK_CODES(signs, 1, SKM);
 #if STAGES == 1
     if (lane == 0) rnorm[row] = static_cast<TN>(sqrt(r2));
 #endif
@@ -145,15 +142,7 @@ _ENCODE_BODY = """
   for (int m = 16; m > 0; m >>= 1) sq += LANE_XOR(sq, m);
   BARRIER();
   if (valid) {
-    for (int w = lane; w < D * B2 / 32; w += 32) {
-      U32 word = 0;
-      for (int d = (32 * w) / B2; d < D && d * B2 < 32 * w + 32; ++d) {
-        const int shift = d * B2 - 32 * w;
-        const U32 c = sh_codes[slot * CW + d];
-        word |= shift >= 0 ? (c << shift) : (c >> (-shift));
-      }
-      residual[row * (D * B2 / 32) + w] = word;
-    }
+    PACK_CODES(residual, B2, D);
     if (lane == 0) rscales[row] = static_cast<TN>(dot / FMAX(sq, 1e-30f));
   }
 #endif
