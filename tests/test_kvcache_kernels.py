@@ -247,10 +247,12 @@ def test_polar_codec_waits_for_its_parity_run(monkeypatch: pytest.MonkeyPatch) -
 
     config = KVCacheConfig("polarquant", 4)
     cache = KVCacheBuilder(config).for_shape(ModelShape(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=64)).build()[0]
+    keys = mx.array(np.random.default_rng(0).standard_normal((1, 1, 100, 64), dtype=np.float32))
+    cache.update_and_fetch(keys, keys)
     monkeypatch.setattr(kernels, "available_backend", lambda: "some-new-backend")
-    assert "parity" in cache._kernel_declines_here(4)
+    assert "parity" in cache._kernel_unsupported(4)
     monkeypatch.setattr(decode, "POLAR_BACKENDS", ("some-new-backend",))
-    assert cache._kernel_declines_here(4) is None
+    assert cache._kernel_unsupported(4) is None
 
 
 def test_sketched_keys_wait_for_their_parity_run_and_fit_the_threadgroup() -> None:
@@ -279,6 +281,18 @@ def _filled(method: str, bits: int, group: int, window: int, sinks: int, tokens:
     keys = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
     values = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
     return filled_then_stepped(cache, keys, values)
+
+
+def _error_against_cpu_reference(fused, n_kv: int, repeats: int, head_dim: int, seed: int) -> float:
+    """Max abs error of one bf16 query token's attention through `fused` (its kernels as configured) against the
+    reference path over the same compressed arrays, in float32 on the CPU stream."""
+    queries = mx.array(np.random.default_rng(seed).standard_normal((1, n_kv * repeats, 1, head_dim),
+                                                                   dtype=np.float32)).astype(mx.bfloat16)
+    out = fused.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+    with mx.stream(mx.cpu):
+        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=head_dim**-0.5, mask=None)
+        mx.eval(ref)
+    return float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
 
 
 needs_gpu = pytest.mark.skipif(available_backend() is None,
@@ -345,16 +359,9 @@ def test_decode_kernel_reads_sketched_keys_and_polar_angles(spec: tuple, tokens:
     for head_dim, n_kv, repeats in ((128, 2, 4), (64, 3, 2)):
         fused = _filled(method, bits, group, window, sinks, tokens, "require", head_dim, n_kv, mx.bfloat16,
                         seed=tokens)
-        queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, n_kv * repeats, 1, head_dim),
-                                                                             dtype=np.float32)).astype(mx.bfloat16)
-        out = fused.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+        error = _error_against_cpu_reference(fused, n_kv, repeats, head_dim, seed=tokens + 7)
         plan = fused._decode_plan(repeats)
         assert plan is not None and plan.sketch == (method != "polarquant")
-        with mx.stream(mx.cpu):
-            ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=head_dim**-0.5,
-                                                 mask=None)
-            mx.eval(ref)
-        error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
         assert np.isfinite(error) and error <= 2e-3, f"{spec} tokens={tokens} D={head_dim}: max abs err {error}"
 
 
@@ -422,15 +429,8 @@ def test_decode_kernel_reads_vq_codes(bits: int, tokens: int, monkeypatch: pytes
         options = {"codebooks": tiny_vq_codebooks(bits, head_dim=head_dim)}
         fused = _filled("vq", bits, 64, 3, 2, tokens, "require", head_dim, n_kv, mx.bfloat16, seed=tokens,
                         options=options)
-        queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, n_kv * repeats, 1, head_dim),
-                                                                             dtype=np.float32)).astype(mx.bfloat16)
-        out = fused.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+        error = _error_against_cpu_reference(fused, n_kv, repeats, head_dim, seed=tokens + 7)
         assert fused._decode_plan(repeats) is not None
-        with mx.stream(mx.cpu):
-            ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=head_dim**-0.5,
-                                                 mask=None)
-            mx.eval(ref)
-        error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
         assert np.isfinite(error) and error <= 2e-3, f"vq {bits} tokens={tokens} D={head_dim}: max abs err {error}"
 
 

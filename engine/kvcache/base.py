@@ -858,7 +858,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codecs = self._kernel_codecs()
         if codecs is None:
             return f"method {self.method_name!r} has no decode kernel"
-        declined = self.kernel_declines(self.config) or self._kernel_declines_here(rows)
+        backend = _kernels.available_backend()
+        unverified = _kernels.decode.unverified_on
+        declined = (self.kernel_declines(self.config) or self._kernel_declines_here(rows)
+                    or unverified(codecs[0], backend) or unverified(codecs[2], backend))
         if declined is not None:
             return declined
         if not (codecs[0].supported and codecs[2].supported):

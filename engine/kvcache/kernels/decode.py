@@ -1149,12 +1149,23 @@ VQ_BACKENDS: tuple[str, ...] = ("emulate",)
 POLAR_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
+def unverified_on(codec: Codec, backend: str | None) -> str | None:
+    """Why `codec` may not run on `backend` yet (a kind whose parity run there has not passed: SKETCH_BACKENDS,
+    VQ_BACKENDS, POLAR_BACKENDS, read at call time so a run can set them), or None (also for an unknown backend)."""
+    backends = {"prod": SKETCH_BACKENDS, "qjl": SKETCH_BACKENDS, "vq": VQ_BACKENDS, "polar": POLAR_BACKENDS}.get(
+        codec.kind)
+    if backends is None or backend is None or backend in backends:
+        return None
+    return f"the decode kernel's {codec.kind} codec has not passed the parity tests on this backend yet"
+
+
 def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -> str | None:
     """Why the attention pass cannot read sketched keys (`key` a SKETCH_KINDS codec) here, or None: the backend
-    (None: not known here) must have passed the parity tests, and with the sketched query rows (R·SK·D floats)
-    the pass's threadgroup memory must stay under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
-    if backend is not None and backend not in SKETCH_BACKENDS:
-        return f"the decode kernel's {key.kind} keys have not passed the parity tests on this backend yet"
+    must have passed the parity tests (`unverified_on`), and with the sketched query rows (R·SK·D floats) the
+    pass's threadgroup memory must stay under TILED_SHARED_LIMIT (the bound an Apple GPU sets)."""
+    unverified = unverified_on(key, backend)
+    if unverified is not None:
+        return unverified
     sketch = key.bits if key.kind == "qjl" else 1  # SK
     groups = threads_for(head_dim) // (head_dim // 8)  # NSG
     # sh_q, sh_kc, sh_q2, sh_m, sh_l, sh_o of `_ATTEND_BODY` (4-byte words)

@@ -62,10 +62,9 @@ _BODY = """
 """
 
 
-def supported(key: Codec, value: Codec, head_dim: int, backend: str | None = None) -> bool:
+def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
     """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
-    gated = {"polar": _decode.POLAR_BACKENDS, "vq": _decode.VQ_BACKENDS}  # read at call time
-    if any(kind in gated and backend not in gated[kind] for kind in (key.kind, value.kind)):
+    if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)

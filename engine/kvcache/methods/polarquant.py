@@ -22,7 +22,6 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
-from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.methods.turboquant import NORM_BITS, Codebook, RotatedCodebookKVCache, centroid_lookup
@@ -125,9 +124,3 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
             codecs += [Codec("polar", first_bits, higher_bits, levels=levels),
                        [store[f"{role}_codes"], store[f"{role}_norms"], store[f"{role}_angle_codes"], *tables]]
         return codecs[0], codecs[1], codecs[2], codecs[3]
-
-    def _kernel_declines_here(self, rows: int) -> str | None:
-        backend = _kernels.available_backend()
-        if backend is not None and backend not in _kernels.decode.POLAR_BACKENDS:
-            return "the decode kernel's polar codec has not passed the parity tests on this backend yet"
-        return None

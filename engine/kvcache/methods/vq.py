@@ -31,7 +31,6 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
-from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
@@ -205,12 +204,6 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
         store, codec = self._store, Codec("vq", index_bits(self.config.key_bits), self._g)
         return (codec, [store["key_codes"], store["key_norms"], self._centroids["key"]],
                 codec, [store["value_codes"], store["value_norms"], self._centroids["value"]])
-
-    def _kernel_declines_here(self, rows: int) -> str | None:
-        backend = _kernels.available_backend()
-        if backend is not None and backend not in _kernels.decode.VQ_BACKENDS:
-            return "the decode kernel's vq codec has not passed the parity tests on this backend yet"
-        return None
 
     def _decode_keys(self, store: dict[str, mx.array]) -> mx.array:
         return self._decode_role(store, "key")
