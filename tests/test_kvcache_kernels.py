@@ -492,8 +492,11 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
 @pytest.mark.parametrize("bits,head_dim", [(4, 128), (2, 64)])
 def test_qjl_encode_kernel_matches_reference(bits: int, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """qjl's keys (norms and the signs of the key_bits·D-row sketch) encoded in one launch against the reference on
-    the CPU stream (its backend let into encode.SKETCH_ENCODE_BACKENDS for the test: the parity run behind its place)."""
+    the CPU stream (its backend let into encode.SKETCH_ENCODE_BACKENDS for the test: the parity run behind its place).
+    Its values are MLX's affine quantization on either path, so they are compared with the same operation on the
+    same device: on the H200, MLX's CUDA and CPU quantize of bfloat16 disagreed in 1.3-2.2 % of packed words."""
     from engine.kvcache.kernels import encode
+    from engine.kvcache.methods.affine import affine_quantize
 
     monkeypatch.setattr(encode, "SKETCH_ENCODE_BACKENDS", (*encode.SKETCH_ENCODE_BACKENDS, available_backend()))
     config = KVCacheConfig(method="qjl", key_bits=bits, options={"kernels": "auto"})
@@ -505,11 +508,12 @@ def test_qjl_encode_kernel_matches_reference(bits: int, head_dim: int, monkeypat
     with mx.stream(mx.cpu):
         reference = _reference_of(cache)._encode(keys, keys)
         mx.eval(reference)
+    reference.update(affine_quantize(keys, "value", cache.config.group_size, cache.config.value_bits))
     assert list(fused) == list(reference)
     for name, ref in reference.items():
         got = fused[name]
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        if ref.dtype == mx.uint32:  # sign bits (and the values' codes): a flip only within rounding of a boundary
+        if ref.dtype == mx.uint32:  # sign bits: a flip only within rounding of a boundary (values' codes: none)
             mismatched = float(mx.mean((got != ref).astype(mx.float32)))
             assert mismatched <= 1e-3, (name, mismatched)
         else:

@@ -43,8 +43,8 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
         "PolarQuant: recursive polar transform of the rotated vector, level-1 angles at b+1 bits (uniform), "
-        "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; dequantized per step (a GPU decode "
-        "kernel waits for its parity run)."
+        "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; a fused decode kernel on a GPU, "
+        "dequantized chunk by chunk elsewhere."
     )
     encode_kernel: ClassVar[bool] = False  # its polar angles is not what kernels/encode.py computes
 

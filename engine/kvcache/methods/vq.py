@@ -64,7 +64,8 @@ class VeloxVQKVCache(RotationMixin, SegmentedKVCache):
     attention_path: ClassVar[str] = "dequantize-per-step"
     description: ClassVar[str] = (
         "Product VQ (VecInfer-style): calibrated per-channel smoothing, Hadamard rotation, k-means codebooks "
-        "of sub-vectors (velox precompute); scores by a query-centroid lookup table, values decoded per step."
+        "of sub-vectors (velox precompute); a fused decode kernel on a GPU, elsewhere scores by a query-centroid "
+        "lookup table and values decoded per step."
     )
 
     # ----- config and formula ----------------------------------------------------------------------------
