@@ -252,6 +252,61 @@ def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> N
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec,head_dim", [("polarquant:k4v4:g64", 128), ("polarquant:k3v3:g64", 64),
+                                           ("polarquant:k2v2:g64", 256), ("polarquant:k4v2:g64", 64)])
+def test_emulated_polar_encode_kernel_matches_reference(spec: str, head_dim: int) -> None:
+    """PolarQuant's norms, level-1 codes and higher-level codes encoded in one launch, against the reference
+    encode (an angle within float rounding of a boundary may take the neighbouring code: at most 1 in 1,000 packed
+    words). 5- and 3-bit level-1 codes straddle words; 301 tokens of 2 heads leave the last threadgroup part-empty;
+    key and value bits differ in the last case (each role its own widths and boundaries)."""
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]
+    rng = np.random.default_rng(head_dim)
+    keys = mx.array(rng.standard_normal((1, 2, 301, head_dim), dtype=np.float32))
+    # A few vectors of zeros and of one nonzero coordinate: angles at 0, π/2 and atan2(0, 0) on both paths
+    keys[0, 0, :3] = 0.0
+    keys[0, 1, 3, 5] = 2.0
+    cache._setup_from(keys, keys)
+    rotated = cache._keys_in(keys)
+    values = rotated * 0.5 + 0.25
+    fused = cache._encode(rotated, values)
+    reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(values, "value")}
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:
+            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
+        else:
+            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
+            assert error <= 2**-10, (name, error)
+    # Decoded, the kernel's codes give the reference's vectors (a flipped code moves one angle by one cell)
+    decoded, expected = cache._decode(fused), cache._decode(reference)
+    for got, ref in zip(decoded, expected, strict=True):
+        assert float(mx.mean(mx.abs(got - ref) > 1e-3)) <= 1e-3
+
+
+def test_polar_encode_kernel_is_used_only_where_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where encode.POLAR_ENCODE_BACKENDS lacks the backend, PolarQuant encodes through MLX operations (the same
+    arrays as the reference, bit for bit); where it has it, through one launch of the polar kernel."""
+    from engine.kvcache.kernels import encode
+
+    monkeypatch.setattr(turboquant, "available_backend", lambda: EMULATE)
+    cache = KVCacheBuilder(KVCacheConfig.parse("polarquant:k3v3:g64")).for_shape(ModelShape(1, 8, 2, 64)).build()[0]
+    keys = mx.array(np.random.default_rng(0).standard_normal((1, 2, 9, 64), dtype=np.float32))
+    cache._setup_from(keys, keys)
+    launches = []
+    real_polar_encode = encode.polar_encode
+    monkeypatch.setattr("engine.kvcache.methods.polarquant.polar_encode",
+                        lambda *a, **k: launches.append(1) or real_polar_encode(*a, **k))
+    monkeypatch.setattr(encode, "POLAR_ENCODE_BACKENDS", ())
+    declined = cache._encode(keys, keys)
+    reference = {**cache._encode_role(keys, "key"), **cache._encode_role(keys, "value")}
+    assert launches == [] and all(mx.array_equal(declined[n], reference[n]) for n in reference)
+    monkeypatch.setattr(encode, "POLAR_ENCODE_BACKENDS", (EMULATE,))
+    assert list(cache._encode(keys, keys)) == list(reference) and launches == [1, 1]
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec,head_dim", [("qjl:k4v4:g64", 128), ("qjl:k1v2:g32", 64), ("qjl:k3v4:g64", 64)])
 def test_emulated_qjl_encode_kernel_matches_reference(spec: str, head_dim: int) -> None:
     """qjl's keys encoded in one launch (norms and the signs of the key_bits·D-row sketch; a sign may differ where

@@ -455,15 +455,18 @@ def test_decode_kernel_short_caches_and_sinks_only() -> None:
 
 @needs_gpu
 @pytest.mark.parametrize("method,bits", [("turboquant", 4), ("turboquant", 3), ("turboquant", 1), ("rvq", 4),
-                                         ("rvq", 3), ("rvq", 2), ("turboquant_prod", 4), ("turboquant_prod", 2)])
+                                         ("rvq", 3), ("rvq", 2), ("turboquant_prod", 4), ("turboquant_prod", 2),
+                                         ("polarquant", 4), ("polarquant", 3), ("polarquant", 2)])
 def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused encode gives the reference's codes, norms and residual scales (a code may differ where a
     value sits within float rounding of a boundary: at most 1 in 10,000); turboquant_prod's keys also their
-    residual's norm and sketch signs (its backend let into encode.SKETCH_ENCODE_BACKENDS for the test, in case it is not
-    there yet: the parity run behind a backend's place there)."""
+    residual's norm and sketch signs, polarquant its level-1 and higher-level angle codes (their backends let into
+    encode.SKETCH_ENCODE_BACKENDS and POLAR_ENCODE_BACKENDS for the test, in case they are not there yet: the parity
+    run behind a backend's place there)."""
     from engine.kvcache.kernels import encode
 
     monkeypatch.setattr(encode, "SKETCH_ENCODE_BACKENDS", (*encode.SKETCH_ENCODE_BACKENDS, available_backend()))
+    monkeypatch.setattr(encode, "POLAR_ENCODE_BACKENDS", (*encode.POLAR_ENCODE_BACKENDS, available_backend()))
     config = KVCacheConfig(method=method, key_bits=bits, options={"kernels": "auto"})
     head_dim = 64 if bits == 3 else 128  # 3-bit codes straddle words at either width
     cache = KVCacheBuilder(config).for_shape(ModelShape(1, 8, 2, head_dim)).build()[0]

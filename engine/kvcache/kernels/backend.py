@@ -16,6 +16,7 @@ Every kernel in this package is written once, as a body in a small common dialec
     SINCOS_PI(x,s,c)  s = sin(x), c = cos(x) for |x| <= pi, to ~1e-6 (the hardware's fast sine and cosine on CUDA;
                    a body reduces larger angles itself, with RINT and FMA)
     RINT, FMA      float round-to-nearest-integer and fused multiply-add
+    ATAN2(y, x)    float atan2, the accurate one (Metal's precise::, not its fast-math default)
     AS_F32(u)      the float whose bits are the unsigned integer u
     AS_U32(x)      the unsigned integer whose bits are the float x
     U2F(c)         float value of an unsigned code c < 2^23, exactly: the bits of 2^23 + c as a float, minus
@@ -62,6 +63,7 @@ _CUDA_HEADER = """
 #define SINCOS_PI(x, s, c) __sincosf((x), &(s), &(c))
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
+#define ATAN2(y, x) atan2f((y), (x))
 """
 
 _CUDA_PRELUDE = """
@@ -88,6 +90,7 @@ _METAL_HEADER = """
 #define SINCOS_PI(x, s, c) { (s) = metal::precise::sin(x); (c) = metal::precise::cos(x); }
 #define RINT(x) metal::rint(x)
 #define FMA(a, b, c) metal::fma((a), (b), (c))
+#define ATAN2(y, x) metal::precise::atan2((y), (x))
 """
 
 _METAL_PRELUDE = """

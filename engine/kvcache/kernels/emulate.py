@@ -162,6 +162,7 @@ inline float u2f(uint32_t c) {
 #define SINCOS_PI(x, s, c) { (s) = sinf(x); (c) = cosf(x); }
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
+#define ATAN2(y, x) atan2f((y), (x))
 """
 
 _PRELUDE = """

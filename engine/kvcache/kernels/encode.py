@@ -36,7 +36,7 @@ from engine.kvcache.kernels.backend import KernelSource, kernel
 
 THREADS = 128  # 4 vectors, one warp each, per threadgroup
 
-_ENCODE_BODY = """
+_WARP_PROLOGUE = """
   // One warp (32 lanes) per vector, NT / 32 vectors per threadgroup: lane l holds dims l, l + 32, ... (coalesced
   // loads), the sums are warp reductions, and the codes meet in shared memory to be packed a word per lane.
   constexpr int VPG = NT / 32;
@@ -53,15 +53,15 @@ _ENCODE_BODY = """
   constexpr int CW = D;
 #endif
   SHARED U32 sh_codes[VPG * CW];
-  // This vector's N codes of B bits (in sh_codes) packed into dst, a word per lane and round. Word w holds stream
-  // bits [32w, 32w + 32): codes floor(32w / B) .. while their first bit is below 32w + 32; a code that began in the
-  // word before adds its high bits (shifted right), one running past the end its low.
-#define PACK_CODES(dst, B, N) \\
+  // This vector's N codes of B bits (in sh_codes, from its slot FROM on) packed into dst, a word per lane and round.
+  // Word w holds stream bits [32w, 32w + 32): codes floor(32w / B) .. while their first bit is below 32w + 32; a code
+  // that began in the word before adds its high bits (shifted right), one running past the end its low.
+#define PACK_CODES(dst, B, N, FROM) \\
   for (int w = lane; w < (N) * (B) / 32; w += 32) { \\
     U32 word = 0; \\
     for (int d = (32 * w) / (B); d < (N) && d * (B) < 32 * w + 32; ++d) { \\
       const int shift = d * (B) - 32 * w; \\
-      const U32 c = sh_codes[slot * CW + d]; \\
+      const U32 c = sh_codes[slot * CW + (FROM) + d]; \\
       word |= shift >= 0 ? (c << shift) : (c >> (-shift)); } \\
     dst[row * ((N) * (B) / 32) + w] = word; }
   float x[P];
@@ -75,6 +75,9 @@ _ENCODE_BODY = """
   const float norm = sqrt(ss);
   const float denom = FMAX(norm, 1e-30f);
   if (valid && lane == 0) norms[row] = static_cast<TN>(norm);
+"""
+
+_ENCODE_BODY = _WARP_PROLOGUE + """
 #if STAGES == 0
   float r2 = ss;  // qjl's keys: no codebook stage, the sketch takes the key itself
 #else
@@ -91,7 +94,7 @@ _ENCODE_BODY = """
   }
   BARRIER();
   if (valid) {
-    PACK_CODES(packed, B1, D);
+    PACK_CODES(packed, B1, D, 0);
   }
 #endif
 #if SKETCH
@@ -114,7 +117,7 @@ _ENCODE_BODY = """
   }
   BARRIER();
   if (valid) {
-    PACK_CODES(signs, 1, SKM);
+    PACK_CODES(signs, 1, SKM, 0);
 #if STAGES == 1
     if (lane == 0) rnorm[row] = static_cast<TN>(sqrt(r2));
 #endif
@@ -142,13 +145,63 @@ _ENCODE_BODY = """
   for (int m = 16; m > 0; m >>= 1) sq += LANE_XOR(sq, m);
   BARRIER();
   if (valid) {
-    PACK_CODES(residual, B2, D);
+    PACK_CODES(residual, B2, D, 0);
     if (lane == 0) rscales[row] = static_cast<TN>(dot / FMAX(sq, 1e-30f));
   }
 #endif
 """
 
 
+
+# PolarQuant (methods/polarquant.py, quant/polar.py): the unit vector goes to shared memory, and the warp walks the
+# polar tree level by level, one angle per lane and round: level 1 takes pairs of coordinates (angle in [0, 2π),
+# uniform cells of B1 bits), each higher level pairs of the radii the level below left (angle in [0, π/2], coded
+# against that level's NBH boundaries, bndh[(level - 2) * NBH + k]). Radii alternate between two buffers (a level's
+# writes would overwrite the pairs another lane still reads). Codes: level 1 in slots [0, D/2), the higher levels
+# one after another from D/2 on, with one padding slot at D - 1 (as the reference concatenates them).
+_POLAR_BODY = _WARP_PROLOGUE + """
+  constexpr int H = D / 2;
+  SHARED float sh_rad[VPG * (D + H)];
+  const int ua = slot * (D + H);  // [ua, ua + D): the unit vector, then odd levels' radii; [ua + D, ua + D + H): even
+  for (int p = 0; p < P; ++p) {
+    const int d = lane + 32 * p;
+    if (d < D) sh_rad[ua + d] = x[p] / denom;
+  }
+  BARRIER();
+  for (int j = lane; j < H; j += 32) {
+    const float e = sh_rad[ua + 2 * j];
+    const float o = sh_rad[ua + 2 * j + 1];
+    float a = ATAN2(o, e);
+    if (a < 0.0f) a += 6.2831853071795864f;
+    // cells / 2π is 2^B1 · float(1 / 2π) exactly, the float the reference multiplies by
+    const int code = (int)floor(a * ((float)(1 << B1) * 0.15915494309189535f));
+    sh_codes[slot * CW + j] = (U32)(code < (1 << B1) - 1 ? code : (1 << B1) - 1);
+    sh_rad[ua + D + j] = sqrt(e * e + o * o);
+  }
+  BARRIER();
+  int at = H;
+  for (int level = 2, n = D / 4; n >= 1; ++level, n >>= 1) {
+    const int src = (level % 2 == 0) ? ua + D : ua;
+    const int dst = (level % 2 == 0) ? ua : ua + D;
+    for (int j = lane; j < n; j += 32) {
+      const float e = sh_rad[src + 2 * j];
+      const float o = sh_rad[src + 2 * j + 1];
+      const float a = ATAN2(o, e);
+      int code = 0;
+      for (int k = 0; k < NBH; ++k) code += (a > bndh[(level - 2) * NBH + k]) ? 1 : 0;
+      sh_codes[slot * CW + at + j] = (U32)code;
+      sh_rad[dst + j] = sqrt(e * e + o * o);
+    }
+    at += n;
+    BARRIER();
+  }
+  if (lane == 0) sh_codes[slot * CW + D - 1] = 0u;
+  BARRIER();
+  if (valid) {
+    PACK_CODES(first, B1, H, 0);
+    PACK_CODES(higher, BH, H, H);
+  }
+"""
 
 # Backends where sketched keys (turboquant_prod's, qjl's) encode through the kernel; elsewhere through MLX
 # operations. The CPU emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA passed
@@ -159,6 +212,12 @@ _ENCODE_BODY = """
 # the same body: enabled by construction, as every kernel here.
 SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+
+# Backends where PolarQuant's keys and values encode through the polar kernel (`polar_encode`); elsewhere through
+# MLX operations (~100 small ones per role: the transform's levels, a code search per level, two packings). The CPU
+# emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA and Metal join once the
+# GPU parity test passes (tests/test_kvcache_kernels.py::test_polar_encode_kernel_matches_reference).
+POLAR_ENCODE_BACKENDS: tuple[str, ...] = ("emulate",)
 
 @functools.cache
 def encode_source(stages: int, sketch: bool = False) -> KernelSource:
@@ -227,4 +286,37 @@ def codebook_encode(
         threadgroup=(THREADS, 1, 1),
         output_shapes=output_shapes,
         output_dtypes=output_dtypes,
+    )
+
+
+POLAR_SOURCE = KernelSource(
+    name="velox_polar_encode",
+    input_names=("xin", "bndh"),
+    output_names=("norms", "first", "higher"),
+    body=_POLAR_BODY,
+    defines="#define SKETCH 0\n",
+)
+
+
+def polar_encode(
+    vectors: mx.array, first_bits: int, higher_bits: int, boundaries: mx.array, norm_dtype: mx.Dtype, backend: str
+) -> list[mx.array]:
+    """PolarQuant's encode of [..., n, D] vectors in one launch: [norms [..., n, 1], level-1 codes
+    [..., n, D/2·first_bits/32], higher-level codes [..., n, D/2·higher_bits/32]] as `_encode_role` makes them.
+    `boundaries` [levels - 1, NBH]: each higher level's sorted boundaries, level 2 first."""
+    if vectors.ndim != 4:
+        raise ValueError(f"polar_encode takes [batch, heads, tokens, head_dim], got {vectors.shape}.")
+    *lead, n, head_dim = vectors.shape
+    rows = lead[0] * lead[1] * n
+    half = head_dim // 2
+    run = kernel(POLAR_SOURCE, backend)
+    groups = (rows + THREADS // 32 - 1) // (THREADS // 32)
+    return run(
+        inputs=[vectors, boundaries.astype(mx.float32).reshape(-1)],
+        template=[("D", head_dim), ("NT", THREADS), ("TN", norm_dtype), ("B1", first_bits), ("BH", higher_bits),
+                  ("NBH", int(boundaries.shape[-1]))],
+        grid=(groups * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, n, 1), (*lead, n, half * first_bits // 32), (*lead, n, half * higher_bits // 32)],
+        output_dtypes=[norm_dtype, mx.uint32, mx.uint32],
     )

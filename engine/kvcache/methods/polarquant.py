@@ -24,6 +24,8 @@ import mlx.core as mx
 from engine.errors import ConfigError
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels import encode as _encode_kernels
+from engine.kvcache.kernels.encode import polar_encode
 from engine.kvcache.methods.turboquant import NORM_BITS, Codebook, RotatedCodebookKVCache, centroid_lookup
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar
@@ -46,7 +48,8 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         "higher levels at b-1 bits (Lloyd-Max per level), one 16-bit norm; a fused decode kernel on a GPU, "
         "dequantized chunk by chunk elsewhere."
     )
-    encode_kernel: ClassVar[bool] = False  # its polar angles is not what kernels/encode.py computes
+    # Encoded by kernels/encode.py's polar kernel where encode.POLAR_ENCODE_BACKENDS has the backend (`_kernel_encode`)
+    encode_kernel: ClassVar[bool] = True
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:
@@ -99,6 +102,17 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
             f"{role}_codes": pack_bits(first, first_bits),
             f"{role}_angle_codes": pack_bits(mx.concatenate([*higher, padding], axis=-1), higher_bits),
         }
+
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
+        """`_encode_role` in one launch (kernels/encode.py's polar kernel), where that kernel has passed its parity
+        tests on `backend`; the same entries in the same order."""
+        if backend not in _encode_kernels.POLAR_ENCODE_BACKENDS:
+            return self._encode_role(vectors, role)
+        first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+        levels = polar_levels(self._k_head_dim)
+        boundaries = mx.stack([self._codebooks[f"{role}{level}"][1] for level in range(2, levels + 1)])
+        parts = polar_encode(vectors, first_bits, higher_bits, boundaries, self._dense_dtype, backend)
+        return dict(zip((f"{role}_norms", f"{role}_codes", f"{role}_angle_codes"), parts, strict=True))
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
