@@ -11,7 +11,8 @@ scales: after the rotation the angle laws are known in advance, which is PolarQu
 Reconstruction runs the transform backwards from radius 1, then multiplies by the norm. Attention decodes the
 history chunk by chunk each step, like `turboquant` (the shared `RotatedCodebookKVCache` path), except where the
 decode kernel reads the angle codes itself (codec "polar" of kernels/decode.py: each lane rebuilds its 8 channels
-from the angles on their path, on a backend in `POLAR_BACKENDS`).
+from the angles on their path, on a backend in `POLAR_BACKENDS`). On a backend in kernels/encode.py's
+`POLAR_ENCODE_BACKENDS` new tokens are encoded in one launch (the polar kernel), elsewhere by the MLX operations below.
 """
 
 from __future__ import annotations
