@@ -330,7 +330,8 @@ def test_emulated_qjl_encode_kernel_matches_reference(spec: str, head_dim: int) 
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k3v3:g64:w7:s2", "turboquant:k1v1:g64", "rvq:k4v4:g64",
                                   "rvq:k3v3:g64:w3:s1", "affine:k4v4:g64", "affine:k3v3:g32:w5:s3", "rotated:k2v2:g64",
-                                  "polarquant:k4v4:g64", "polarquant:k2v2:g64:w5:s2"])
+                                  "polarquant:k4v4:g64", "polarquant:k2v2:g64:w5:s2", "turboquant_prod:k4v4:g64",
+                                  "turboquant_prod:k2v3:g64:w5:s2", "qjl:k4v4:g64", "qjl:k1v2:g32:w3:s1"])
 def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole compressed history decoded in one launch (what a prefill chunk attends over on a GPU) equals the
     reference decode (codebooks: the same products in float32, then the same casts; affine codes within one unit
@@ -354,6 +355,8 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
                         assert float(mx.max(error)) <= 1e-6, spec
                     elif spec.startswith("polarquant"):  # sines and cosines of the same angles, in another library
                         assert float(mx.max(error / (mx.abs(ref.astype(mx.float32)) + 1e-3))) <= 2**-10, spec
+                    elif spec.startswith(("turboquant_prod", "qjl")):  # Sᵀ·sign summed in another order than MLX's
+                        assert float(mx.max(error / (mx.abs(ref.astype(mx.float32)) + 1e-2))) <= 2**-10, spec
                     else:  # MLX's dequantize rounds scale·code + bias in 16 bits, the kernel once at the end
                         assert float(mx.max(error / (mx.abs(ref.astype(mx.float32)) + 1e-3))) <= 2**-10, spec
             assert launches[-1] == cache.n_compressed
@@ -374,10 +377,14 @@ def test_history_decode_kernel_is_left_to_methods_it_reads(monkeypatch: pytest.M
     assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_launch() is None  # KIVI keys are staged
     assert _fed("turboquant:k4v4:g64", "off", keys, keys)._dequantize_launch() is None
     assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
-    assert _fed("qjl:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None  # keys scored by a sketch
+    assert _fed("qjl:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
     assert _fed("polarquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
     monkeypatch.setattr(decode, "POLAR_BACKENDS", ())  # a backend where the polar codec has not passed parity
     assert _fed("polarquant:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None
+    monkeypatch.setattr(kernels.dequantize, "SKETCH_HISTORY_BACKENDS", ())  # nor the sketched keys' history decode
+    assert _fed("qjl:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None
+    assert _fed("turboquant_prod:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None
+    assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
 
 
 def _fed(spec: str, mode: str, keys: mx.array, values: mx.array):

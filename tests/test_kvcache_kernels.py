@@ -391,17 +391,21 @@ def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: 
 
 @needs_gpu
 @pytest.mark.parametrize("spec", [*(s for s in PARITY_SPECS if s[0] in ("affine", "rotated", "turboquant", "rvq")),
-                                  ("polarquant", 4, 64, 0, 0), ("polarquant", 2, 64, 5, 2)],
+                                  ("polarquant", 4, 64, 0, 0), ("polarquant", 2, 64, 5, 2),
+                                  ("turboquant_prod", 4, 64, 0, 0), ("qjl", 4, 64, 5, 2)],
                          ids=lambda s: "-".join(map(str, s)))
 def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The history a prefill chunk attends over, decoded in one launch, against the reference decode on the same
     device (bf16): codebooks equal (the same float32 products, one rounding), affine codes and PolarQuant's
     sines and cosines within one bf16 unit (MLX's dequantize rounds in 16 bits on the way; the kernel takes the
     fast sine and cosine). The parity run behind CUDA's and Metal's place in dequantize.BACKENDS (the caches decode
-    their history with the kernel as shipped) and, for PolarQuant, in decode.POLAR_BACKENDS (let in for the test)."""
-    from engine.kvcache.kernels import decode
+    their history with the kernel as shipped) and, for PolarQuant, in decode.POLAR_BACKENDS, for sketched keys in
+    dequantize.SKETCH_HISTORY_BACKENDS (let in for the test; the estimator's Sᵀ·sign summed in another order)."""
+    from engine.kvcache.kernels import decode, dequantize
 
     monkeypatch.setattr(decode, "POLAR_BACKENDS", (*decode.POLAR_BACKENDS, available_backend()))
+    monkeypatch.setattr(dequantize, "SKETCH_HISTORY_BACKENDS",
+                        (*dequantize.SKETCH_HISTORY_BACKENDS, available_backend()))
     method, bits, group, window, sinks, *extra = spec
     for tokens in (70, 4097):
         cache = _filled(method, bits, group, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)

@@ -830,8 +830,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         dense = self._dense_dtype  # as the reference: decoded into the cache's 16-bit dtype, then cast
         keys, values = _kernels.dequantize_history(
             key_codec, key_arrays, value_codec, value_arrays, self._n_compressed, self._k_head_dim,
-            self.config.group_size, dense, backend)
+            self.config.group_size, dense, backend, sketch=self._history_sketch())
         return (keys, values) if dense == dtype else (keys.astype(dtype), values.astype(dtype))
+
+    def _history_sketch(self) -> mx.array | None:
+        """The m×D sketch S that the history decode rebuilds sketched keys with (turboquant_prod, qjl); None for a
+        method whose keys have channels of their own."""
+        return None
 
     def _dequantize_launch(self) -> tuple[str, tuple[Any, ...]] | None:
         """(backend, the method's kernel codecs and arrays) where the history-decode kernel decodes this cache, else

@@ -147,11 +147,13 @@ _CODEC_MACROS = {
     # row (sh_q2: sqrt(π/2)/m · S q, scaled, staged once) with the key's ±1 signs, times a per-token factor. A
     # lane's sketch coordinates are [lane·8·SK, (lane + 1)·8·SK), its 8·SK sign bits SK bytes of the packed row
     # (bit 1 = +1), kept as bytes (ksg) until the scores; kmul2 is the factor (0 for 16-bit tokens). Key role only.
+    # KEY_SIGN_WORD(c, w) is word w of token c's packed signs (the history decode reads them all: kernels/dequantize.py).
     # turboquant_prod: (b-1)-bit codes of the rotated unit vector, norms, centroids, the residual's norms and the
     # d signs of its sketch: x·q = norm · (q·c[code] + ‖r‖ · (S q)·sign · sqrt(π/2)/d).
     "prod": """
 #define KEY_SKETCH 1
 #define SK 1
+#define KEY_SIGN_WORD(c, w) {P}4[((long)bh * {P}4_shape[2] + (c)) * {P}4_shape[3] + (w)]
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
   U32 c_[8]; \\
@@ -166,6 +168,7 @@ _CODEC_MACROS = {
     "qjl": """
 #define KEY_SKETCH 1
 #define SK {BITS}
+#define KEY_SIGN_WORD(c, w) {P}0[((long)bh * {P}0_shape[2] + (c)) * {P}0_shape[3] + (w)]
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
   for (int i_ = 0; i_ < 8; ++i_) out[i_] = 0.0f; \\

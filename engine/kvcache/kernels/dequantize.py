@@ -35,10 +35,19 @@ THREADS = 128
 # by construction, as the other kernels here (no Mac here: the GPU parity test runs on one).
 BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys are staged per
-# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize; the sketch codecs score
-# keys against a sketched query and have no 8 channels to write). PolarQuant's ("polar") and product VQ's ("vq")
-# only on a backend in decode.POLAR_BACKENDS / VQ_BACKENDS, where their decode pass has passed the parity tests.
-KINDS = ("affine", "codebook", "rvq", "polar", "vq")
+# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize). PolarQuant's ("polar")
+# and product VQ's ("vq") only on a backend in decode.POLAR_BACKENDS / VQ_BACKENDS, where their decode pass has
+# passed the parity tests. Sketched keys ("prod": turboquant_prod's, "qjl") have no 8 channels of their own to
+# read: a thread rebuilds its 8 channels of the estimator's reconstruction k̂ = ‖k‖·sqrt(π/2)/m · Sᵀ sign(S k)
+# (turboquant_prod: of the residual, added to its centroids) from every one of the token's m sign bits and its 8
+# columns of S (m·8 multiply-adds; S, float16, stays in the caches) — in place of MLX's bit unpacking, a ±1 array of
+# m floats per token and a matmul, which took 3.6 ms of a 16k-token layer's history against 0.2 for turboquant's
+# (H200, 8 kv heads; BENCHMARKS.md). Only on a backend in SKETCH_HISTORY_BACKENDS.
+KINDS = ("affine", "codebook", "rvq", "polar", "vq", "prod", "qjl")
+# Backends where sketched keys take this kernel. The CPU emulator checks it against the reference
+# (tests/test_kvcache_kernel_emulation.py); CUDA and Metal join once its GPU parity test passes there
+# (tests/test_kvcache_kernels.py::test_history_decode_kernel_matches_reference).
+SKETCH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
 
 _BODY = """
   // Template: D (head_dim), G (affine group), TD (output dtype). Thread: 8 channels of one token of one kv head.
@@ -54,7 +63,30 @@ _BODY = """
     const long at = token * D + lane * 8;
     float out[8];
     float mul;
+#if KEY_SKETCH
+    const int u = 0;  // the decode pass's names for one token in flight, which the sketch macros fill
+    U32 ksg[1][SK];
+    float kmul2[1];
+#endif
     LOAD_KEY(c, out, mul);
+#if KEY_SKETCH
+    {
+      // out += kmul2 · sqrt(π/2)/m · Σ_j sign_j · S[j, 8·lane .. 8·lane + 8), over the token's m = SK·D sign bits
+      constexpr int M = SK * D;
+      float acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int w = 0; w < M / 32; ++w) {
+        const U32 word = KEY_SIGN_WORD(c, w);
+        for (int b = 0; b < 32; ++b) {
+          const float sign = ((word >> b) & 1u) ? 1.0f : -1.0f;
+          const long row = (long)(32 * w + b) * D + lane * 8;
+          for (int i = 0; i < 8; ++i) acc[i] += sign * (float)sk[row + i];
+        }
+      }
+      const float factor = kmul2[0] * (1.2533141373155003f / (float)M);
+      for (int i = 0; i < 8; ++i) out[i] += factor * acc[i];
+    }
+#endif
     for (int i = 0; i < 8; ++i) keys[at + i] = static_cast<TD>(out[i] * mul);
     LOAD_VALUE(c, out, mul);
     for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
@@ -66,6 +98,8 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
     """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
+    if key.kind in _decode.SKETCH_KINDS and backend not in SKETCH_HISTORY_BACKENDS:
+        return False
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 
@@ -75,7 +109,8 @@ def dequantize_source(key: Codec, value: Codec) -> KernelSource:
     """The history-decode kernel for one (key codec, value codec) pair."""
     return KernelSource(
         name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}",
-        input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots))),
+        input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
+                     *(("sk",) if key.kind in _decode.SKETCH_KINDS else ())),
         output_names=("keys", "values"),
         body=_BODY,
         header=_HEADER,
@@ -93,16 +128,21 @@ def dequantize_history(
     group_size: int,
     dtype: mx.Dtype,
     backend: str,
+    sketch: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Keys and values [B, n_kv, n_tokens, head_dim] in `dtype`, decoded from the first `n_tokens` of the codecs'
-    arrays (each [B, n_kv, capacity, ...], in the order `decode._CODEC_MACROS` documents)."""
+    arrays (each [B, n_kv, capacity, ...], in the order `decode._CODEC_MACROS` documents); sketched keys also need
+    the m×D `sketch` S."""
     if not supported(key, value, head_dim, backend):
         raise ValueError(f"The history-decode kernel has no variant for {key} / {value} at head_dim {head_dim}.")
+    sketched = key.kind in _decode.SKETCH_KINDS
+    if sketched != (sketch is not None):
+        raise ValueError(f"The history decode of {key} keys takes {'a' if sketched else 'no'} sketch.")
     batch, n_kv = key_arrays[0].shape[:2]
     threads = batch * n_kv * n_tokens * (head_dim // 8)
     shape = (batch, n_kv, n_tokens, head_dim)
     keys, values = kernel(dequantize_source(key, value), backend)(
-        inputs=[RULER(n_tokens), *key_arrays, *value_arrays],
+        inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *([sketch] if sketched else [])],
         template=[("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)],
         grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),

@@ -183,6 +183,9 @@ class VeloxQJLKVCache(SegmentedKVCache):
             [store["value_codes"], store["value_scales"], store["value_biases"]],
         )
 
+    def _history_sketch(self) -> mx.array | None:
+        return self._sketch
+
     def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
         return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
 

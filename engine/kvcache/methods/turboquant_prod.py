@@ -146,6 +146,9 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
             [store["value_codes"], store["value_norms"], self._kernel_table("value0")],
         )
 
+    def _history_sketch(self) -> mx.array | None:
+        return self._sketch
+
     def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
         # The rotated queries through the residuals' sketch, with the estimator's constant (m = d rows).
         return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
