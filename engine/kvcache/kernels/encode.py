@@ -1,5 +1,5 @@
-"""Fused encode of new tokens for the codebook methods (turboquant, rvq): norm, Lloyd-Max codes, bit
-packing (and RVQ's residual stage) in one launch per role.
+"""Fused encode of new tokens for the codebook methods (turboquant, rvq, turboquant_prod, qjl's keys, polarquant):
+norm, codes, bit packing (and RVQ's residual stage, a sketch's signs, PolarQuant's angles) in one launch per role.
 
 The pure-MLX encode (`RotatedCodebookKVCache._encode_role`) is ~30 small operations per role (norm,
 division, one comparison and sum per boundary chunk, the packing's shifts, sums and stacks); while decoding
@@ -24,6 +24,10 @@ r = u - c[code] (its norm ‖r‖ stored too), qjl's with no codebook stage, the
 lane computes every 32nd row of S r for the m×D sketch S (float16, read from device memory; m = D, or key_bits·D
 for qjl), and the warp packs their signs (1 = non-negative). Where the backend is not in SKETCH_ENCODE_BACKENDS (a GPU
 parity run decides), those keys encode through MLX operations.
+
+PolarQuant has a kernel of its own (`polar_encode`, the same warp layout and packing): the warp walks the polar
+tree of the unit vector a level at a time in shared memory (see `_POLAR_BODY`); its angles come from ATAN2, so,
+as with the boundaries above, an angle within float rounding of a cell's edge can take the neighbouring code.
 """
 
 from __future__ import annotations
@@ -152,7 +156,6 @@ _ENCODE_BODY = _WARP_PROLOGUE + """
 """
 
 
-
 # PolarQuant (methods/polarquant.py, quant/polar.py): the unit vector goes to shared memory, and the warp walks the
 # polar tree level by level, one angle per lane and round: level 1 takes pairs of coordinates (angle in [0, 2π),
 # uniform cells of B1 bits), each higher level pairs of the radii the level below left (angle in [0, π/2], coded
@@ -212,7 +215,6 @@ _POLAR_BODY = _WARP_PROLOGUE + """
 # the same body: enabled by construction, as every kernel here.
 SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
-
 # Backends where PolarQuant's keys and values encode through the polar kernel (`polar_encode`); elsewhere through
 # MLX operations (~100 small ones per role: the transform's levels, a code search per level, two packings). The CPU
 # emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test
@@ -221,6 +223,7 @@ SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # against 8.6 / 10.7 with MLX's encode, and prefilled 32k tokens at 6,663 tok/s against 5,109 (fp16 7,239;
 # benchmarks/results/decode-polar-encode-h200.json). Metal runs the same body (its ATAN2 is MSL's precise one).
 POLAR_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+
 
 @functools.cache
 def encode_source(stages: int, sketch: bool = False) -> KernelSource:
