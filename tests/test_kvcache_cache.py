@@ -38,6 +38,11 @@ CONFIGS = {
     "kivi-grids": KVCacheConfig(
         "kivi", 3, group_size=32, options={"key_grid": "lloyd_ends", "value_grid": "lloyd", "key_block": 64}
     ),
+    "kivi-symmetric-values-key-outliers": KVCacheConfig(
+        "kivi", 3, group_size=32, sink_tokens=2,
+        options={"rotate_values": True, "symmetric_values": True, "key_outliers": 1, "key_block": 64},
+    ),
+    "kivi-symmetric-values": KVCacheConfig("kivi", 4, 2, group_size=32, options={"symmetric_values": True}),
     # Per-layer bits: layer 0 (the one the nbytes test walks) stores k5v4, layer 1 the spec's k4v3.
     "kivi-wide-layer": KVCacheConfig(
         "kivi", 4, 3, group_size=32, sink_tokens=2,

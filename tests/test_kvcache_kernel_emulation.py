@@ -42,6 +42,8 @@ SPECS = (
     "kivi:k6v6:g32:s4",
     "kivi:k2v2:g64:s4:key_block=128:key_grid=lloyd:rotate_values=true",  # the best 2-bit candidate (issue 12)
     "kivi:k3v3:g64:w5:key_grid=lloyd:value_grid=lloyd_ends",
+    # Scale-only values: the affine codec reads biases derived from the scales (-h·s) per step.
+    "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true",
     "affine:k4v4:g64",
     "affine:k3v3:g32:w5:s3",
     "rotated:k4v4:g64",

@@ -554,6 +554,75 @@ def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
         KVCacheConfig("kivi", 4, options={"clip_search": "yes"}).validate(64)
 
 
+def test_kivi_key_outliers_keep_each_blocks_widest_entry_in_16_bits() -> None:
+    """key_outliers=1: per key channel and block, the entry whose removal shrinks the range most comes back at 16-bit
+    precision and the block's other entries decode closer (a narrower range); the bytes are the store's and the
+    formula's, 24 bits more per channel and block; the decode kernel and quantized_matmul decline it."""
+    from engine.kvcache.quant.outliers import restore_block_outliers, split_block_outliers
+
+    keys, values = random_kv(n_kv_heads=2, n_tokens=256, head_dim=64, seed=5)
+    spikes = mx.zeros_like(keys)
+    spikes[:, :, 17, 3] = 40.0  # one large entry in channel 3 of the first 64-token block
+    spikes[:, :, 200, 9] = -25.0  # and a large negative one in channel 9 of the fourth
+    keys = keys + spikes
+    caches = {n: filled(make_cache("kivi", 3, group_size=64, options={"key_outliers": n}), keys, values) for n in (0, 1)}
+    plain, split = caches[0].to_dense()[0], caches[1].to_dense()[0]
+    for token, channel in ((17, 3), (200, 9)):
+        exact = keys[:, :, token, channel]
+        assert mx.allclose(split[:, :, token, channel], exact.astype(mx.float16).astype(mx.float32)).item()
+        block = slice(token // 64 * 64, token // 64 * 64 + 64)
+        others = mx.concatenate([keys[:, :, block, channel][..., : token % 64],
+                                 keys[:, :, block, channel][..., token % 64 + 1:]], axis=-1)
+        error = {name: mx.abs(mx.concatenate([dense[:, :, block, channel][..., : token % 64],
+                                              dense[:, :, block, channel][..., token % 64 + 1:]], axis=-1) - others)
+                 for name, dense in (("plain", plain), ("split", split))}
+        assert error["split"].mean().item() < 0.2 * error["plain"].mean().item(), (token, channel)
+    assert relative_error(split, keys) < relative_error(plain, keys)
+    assert caches[1].nbytes == array_bytes(caches[1]) == caches[0].nbytes + 2 * 64 * (256 // 64) * 3
+    method, config = get_method("kivi"), caches[1].config
+    head_dim = 64
+    assert (method.compressed_bits_per_token(config, head_dim) - method.compressed_bits_per_token(caches[0].config, 64)
+            == head_dim * 24 / 64)
+    assert "outliers" in method.kernel_declines(config) and "outliers" in method.decodes_history_without_kernel(config)
+    queries = queries_for(4, 3, 64)
+    output = caches[1].attention(queries, caches[1], caches[1], 0.125, "causal")
+    assert relative_error(output, reference_attention(queries, split, caches[1].to_dense()[1], 0.125, "causal")) < 2e-3
+    # The split itself: the replaced entry sits at the new range's end, and restoring it gives the input back
+    blocks = mx.array([[0.0, 1.0, 9.0, 2.0], [-7.0, 0.5, 0.0, -1.0]])
+    kept, found, index = split_block_outliers(blocks, 4)
+    assert kept.tolist() == [[0.0, 1.0, 2.0, 2.0], [-1.0, 0.5, 0.0, -1.0]] and index.tolist() == [[2], [0]]
+    assert mx.array_equal(restore_block_outliers(kept, found, index, 4), blocks).item()
+    for options, message in (({"key_outliers": 2}, "key_outliers=0 or"), ({"key_outliers": True}, "key_outliers=0"),
+                             ({"key_outliers": 1, "key_grid": "lloyd"}, "not both")):
+        with pytest.raises(ConfigError, match=message):
+            KVCacheConfig("kivi", 3, options=options).validate(64)
+
+
+def test_kivi_symmetric_values_store_one_scale_per_group() -> None:
+    """symmetric_values: values as s·(code - h), s = max|x|/h, one scale per group and no bias; they decode within
+    half a step of the input (s/2), the store holds no value biases (16 bits fewer per group, by the formula and in
+    nbytes), attention and the decode kernel's codec read them with biases derived per use."""
+    keys, values = random_kv(n_kv_heads=2, n_tokens=256, head_dim=64, seed=6)
+    caches = {flag: filled(make_cache("kivi", 3, group_size=64, options={"symmetric_values": flag}), keys, values)
+              for flag in (False, True)}
+    store = caches[True]._compressed_view()
+    assert "value_biases" not in store and "value_biases" in caches[False]._compressed_view()
+    assert caches[True].nbytes == array_bytes(caches[True]) == caches[False].nbytes - 2 * 256 * 2 * (64 // 64)
+    dense = caches[True].to_dense()[1]
+    scales = mx.max(mx.abs(values), axis=-1, keepdims=True) / 3.5
+    assert mx.all(mx.abs(dense - values) <= scales / 2 * (1 + 1e-2) + 1e-3).item()
+    method = get_method("kivi")
+    assert (method.compressed_bits_per_token(caches[False].config, 64)
+            - method.compressed_bits_per_token(caches[True].config, 64) == 16)
+    queries = queries_for(4, 3, 64)
+    output = caches[True].attention(queries, caches[True], caches[True], 0.125, "causal")
+    assert relative_error(output, reference_attention(queries, caches[True].to_dense()[0], dense, 0.125, "causal")) < 2e-3
+    for options in ({"symmetric_values": True, "clip_search": True}, {"symmetric_values": True, "value_grid": "lloyd"},
+                    {"symmetric_values": "yes"}):
+        with pytest.raises(ConfigError, match="symmetric_values"):
+            KVCacheConfig("kivi", 3, options=options).validate(64)
+
+
 def test_grid_quantize_keeps_the_affine_layout_and_decodes_onto_the_grid() -> None:
     """grid_quantize stores MLX's affine arrays (same shapes, dtypes, packing, scale = range/(2^b - 1), bias = min);
     a code decodes to scale·grid[code] + bias, the grid level nearest to the value; on bell-shaped groups the

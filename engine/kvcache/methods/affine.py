@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
+from engine.kvcache.quant.bitpack import pack_bits
 from engine.kvcache.registry import register_method
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -38,6 +39,26 @@ def affine_quantize(array: mx.array, role: str, group_size: int, bits: int) -> d
     """`mx.quantize` of `array` along its last axis as the store entries `{role}_codes/_scales/_biases`."""
     codes, scales, biases = mx.quantize(array, group_size=group_size, bits=bits)
     return {f"{role}_codes": codes, f"{role}_scales": scales, f"{role}_biases": biases}
+
+
+def symmetric_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
+    """Groups of `group_size` along the last axis as x ≈ s·(code - h), h = (2^bits - 1)/2, s = max|x| / h: codes packed
+    as `mx.quantize` packs them and one scale per group, no bias (for zero-centred groups, e.g. rotated values:
+    half the side bits of `affine_quantize`). `with_symmetric_biases` gives the arrays MLX's affine ops read."""
+    half = ((1 << bits) - 1) / 2
+    shape = array.shape
+    groups = array.astype(mx.float32).reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    scales = (mx.max(mx.abs(groups), axis=-1) / half).astype(array.dtype)
+    stored = scales.astype(mx.float32)[..., None]  # the codes are chosen against the scale as it is kept
+    codes = mx.clip(mx.round(groups / mx.where(stored > 0, stored, 1.0) + half), 0, 2 * half)
+    return {f"{role}_codes": pack_bits(codes.astype(mx.uint32).reshape(shape), bits), f"{role}_scales": scales}
+
+
+def with_symmetric_biases(store: dict[str, mx.array], role: str, bits: int) -> dict[str, mx.array]:
+    """`store` with `role`'s biases (-h·s) derived from its scales, transient, for MLX's affine operations and the
+    decode kernels' affine codec; the store itself holds no biases for a symmetric role."""
+    scales = store[f"{role}_scales"]
+    return {**store, f"{role}_biases": scales * -(((1 << bits) - 1) / 2)}
 
 
 def affine_dequantize(

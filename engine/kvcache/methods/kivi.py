@@ -83,6 +83,19 @@ spec says rope=pre or nothing.
 Probe on SmolLM2-135M, held out (BENCHMARKS.md round 5): the wide 4-bit level's KL 0.0096 -> 0.0071 (2k
 windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated values +2.60% (+5.82% without both).
 
+Option `symmetric_values` (true/false; default false) quantizes each value group as s·(code - h), h = (2^b - 1)/2,
+s = max|x| / h: one 16-bit scale per group and no bias (0.25 bits per value less at 64-channel groups). Rotated
+values (`rotate_values`) are close to zero-mean per group, which is what a grid centred on zero needs; unrotated
+they are not, and it loses (held out, 2k windows: +5.46 % against the 3-bit level's +3.40 %). MLX's affine ops and
+the decode kernel read the codes with biases -h·s derived per use (transient; not held).
+
+Option `key_outliers` (0 or 1; default 0) keeps, per key channel and block, the one entry that widens the block's
+range most in 16 bits with an 8-bit index (`quant/outliers.py`: KVQuant's dense-and-sparse split), and quantizes the
+block without it: +0.094 bits per value at 128-token blocks. Paid for by symmetric rotated values it took the 3-bit
+level's layout from +3.31 % to +2.78 % on held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10). No
+`mx.quantized_matmul` adds the outliers back and the decode kernel does not yet, so attention decodes the keys
+(`decodes_history_without_kernel`, `kernel_declines`): not a level until the kernel reads them.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -111,14 +124,22 @@ from engine.kvcache.methods.affine import (
     affine_matmul,
     affine_quantize,
     check_channel_groups,
+    symmetric_quantize,
+    with_symmetric_biases,
 )
 from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize, grid_table
+from engine.kvcache.quant.outliers import (
+    OUTLIER_INDEX_BITS,
+    OUTLIER_VALUE_BITS,
+    restore_block_outliers,
+    split_block_outliers,
+)
 from engine.kvcache.quant.rope import RopeParameters, model_rope
 from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
-KEY_PARTS = ("key_codes", "key_scales", "key_biases")
+KEY_PARTS = ("key_codes", "key_scales", "key_biases", "key_outliers", "key_outlier_index")
 
 # Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
 # option per RopeParameters field, in its order.
@@ -227,6 +248,17 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             check_grid(grid, bits)
             if config.options.get("clip_search", False):
                 raise ConfigError("Method 'kivi' takes clip_search or a grid (key_grid, value_grid), not both.")
+        symmetric = config.options.get("symmetric_values", False)
+        if not isinstance(symmetric, bool):
+            raise ConfigError("Method 'kivi' takes symmetric_values=true or symmetric_values=false.")
+        if symmetric and (config.options.get("clip_search", False) or cls.grid_of(config, "value") is not None):
+            raise ConfigError("Method 'kivi' takes symmetric_values without clip_search or a value_grid (each "
+                              "chooses its own scale and bias).")
+        outliers = config.options.get("key_outliers", 0)
+        if isinstance(outliers, bool) or outliers not in (0, 1):
+            raise ConfigError(f"Method 'kivi' takes key_outliers=0 or key_outliers=1, not {outliers!r}.")
+        if outliers and cls.grid_of(config, "key") is not None:
+            raise ConfigError("Method 'kivi' takes key_outliers or a key_grid, not both.")
         block = cls.key_block(config)
         if block not in AFFINE_GROUP_SIZES or cls.step % block:
             raise ConfigError(
@@ -392,6 +424,14 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.2 tok/s against 8.1 for plain 2-bit KIVI
             # (benchmarks/results/cpu_decode_probe.json).
             return "no quantized_matmul reads codes on a grid (key_grid, value_grid): attention decodes them"
+        if config.options.get("key_outliers", 0):
+            return "no quantized_matmul adds the 16-bit key outliers back (key_outliers): attention decodes the keys"
+        return None
+
+    @classmethod
+    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
+        if config.options.get("key_outliers", 0):
+            return "the decode kernel does not add the 16-bit key outliers (key_outliers) to its scores yet"
         return None
 
     @classmethod
@@ -442,8 +482,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def compressed_bits_per_token(cls, config: KVCacheConfig, head_dim: int) -> float:
         # Keys: a scale and a bias per channel and block of G tokens = head_dim·32/G bits per token.
         key_bits = head_dim * config.key_bits + head_dim * 2 * SCALE_BITS / cls.key_block(config)
-        # Values: a scale and a bias per token and group of G channels.
-        value_bits = head_dim * config.value_bits + head_dim // config.group_size * 2 * SCALE_BITS
+        # key_outliers: one 16-bit entry and its 8-bit index per channel and block.
+        key_bits += config.options.get("key_outliers", 0) * head_dim * (
+            OUTLIER_VALUE_BITS + OUTLIER_INDEX_BITS) / cls.key_block(config)
+        # Values: a scale and a bias per token and group of G channels (symmetric_values: the scale only).
+        sides = 1 if config.options.get("symmetric_values", False) else 2
+        value_bits = head_dim * config.value_bits + head_dim // config.group_size * sides * SCALE_BITS
         return float(key_bits + value_bits)
 
     # ----- encode / decode --------------------------------------------------------------------------------
@@ -451,14 +495,19 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         group_size = self.config.group_size
         quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
+        value_quantize = symmetric_quantize if self.config.options.get("symmetric_values", False) else quantize
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         keys_transposed = keys.swapaxes(-1, -2)
+        outliers: dict[str, mx.array] = {}
+        if self.config.options.get("key_outliers", 0):
+            keys_transposed, found, index = split_block_outliers(keys_transposed, self.token_block)
+            outliers = {"key_outliers": found, "key_outlier_index": index}
         return {
             **(
-                quantize(values, "value", group_size, self.config.value_bits)
+                value_quantize(values, "value", group_size, self.config.value_bits)
                 if value_grid is None
                 else grid_quantize(values, "value", group_size, self.config.value_bits, value_grid)
             ),
@@ -467,7 +516,22 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 if key_grid is None
                 else grid_quantize(keys_transposed, "key", self.token_block, self.config.key_bits, key_grid)
             ),
+            **outliers,
         }
+
+    def _readable(self, store: dict[str, mx.array]) -> dict[str, mx.array]:
+        """`store` as MLX's affine operations and the decode kernel read it: with the values' biases derived from
+        their scales where values are symmetric (transient)."""
+        if self.config.options.get("symmetric_values", False):
+            return with_symmetric_biases(store, "value", self.config.value_bits)
+        return store
+
+    def _with_outliers(self, store: dict[str, mx.array], keys_transposed: mx.array) -> mx.array:
+        """Decoded Kᵀ with the blocks' 16-bit outliers written back (option key_outliers)."""
+        if "key_outliers" not in store:
+            return keys_transposed
+        return restore_block_outliers(keys_transposed, store["key_outliers"], store["key_outlier_index"],
+                                      self.token_block)
 
     def _grid_decode(self, store: dict[str, mx.array], role: str) -> mx.array | None:
         """float32 decoded `role` entries if that role has a grid, else None (keys come out as Kᵀ, as stored)."""
@@ -481,11 +545,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _decode(self, store: dict[str, mx.array]) -> tuple[mx.array, mx.array]:
         group_size = self.config.group_size
         dtype = store["value_scales"].dtype
+        store = self._readable(store)
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is None:
-            keys_transposed = affine_dequantize(
+            keys_transposed = self._with_outliers(store, affine_dequantize(
                 store, "key", self.token_block, self.config.key_bits, float32_scales=False
-            )
+            ))
         values = self._grid_decode(store, "value")
         if values is None:
             values = affine_dequantize(store, "value", group_size, self.config.value_bits, float32_scales=False)
@@ -501,7 +566,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         keys_transposed = affine_dequantize(
             store, "key", self.token_block, self.config.key_bits, float32_scales=True
         )
-        return keys_transposed.swapaxes(-1, -2)
+        return self._with_outliers(store, keys_transposed).swapaxes(-1, -2)
 
     # Compressed token i is at position i: KIVI keeps the sinks' copies in its stream (`sinks_in_stream`), so
     # the stream starts at position 0.
@@ -523,7 +588,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if values is not None:
             return values
         return affine_dequantize(
-            store, "value", self.config.group_size, self.config.value_bits, float32_scales=True
+            self._readable(store), "value", self.config.group_size, self.config.value_bits, float32_scales=True
         )
 
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
@@ -531,6 +596,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is not None:  # no quantized_matmul reads a grid: decode, then multiply
             return queries.astype(mx.float32) @ keys_transposed
+        if "key_outliers" in store:  # nor adds the outliers back
+            return queries.astype(mx.float32) @ self._decode_keys(store).swapaxes(-1, -2)
         return affine_matmul(
             queries, store, "key", self.token_block, self.config.key_bits, transpose=False
         )
@@ -540,7 +607,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if values is not None:
             return weights.astype(mx.float32) @ values
         return affine_matmul(
-            weights, store, "value", self.config.group_size, self.config.value_bits, transpose=False
+            weights, self._readable(store), "value", self.config.group_size, self.config.value_bits, transpose=False
         )
 
     def _kernel_key_block(self) -> int:
@@ -548,7 +615,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
-        store = self._store
+        store = self._readable(self._store)
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
         return (
