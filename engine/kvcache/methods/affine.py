@@ -56,9 +56,10 @@ def symmetric_quantize(array: mx.array, role: str, group_size: int, bits: int) -
 
 def with_symmetric_biases(store: dict[str, mx.array], role: str, bits: int) -> dict[str, mx.array]:
     """`store` with `role`'s biases (-h·s) derived from its scales, transient, for MLX's affine operations and the
-    decode kernels' affine codec; the store itself holds no biases for a symmetric role."""
-    scales = store[f"{role}_scales"]
-    return {**store, f"{role}_biases": scales * -(((1 << bits) - 1) / 2)}
+    decode kernels' affine codec; the store itself holds no biases for a symmetric role. Scales and biases come in
+    float32: -h·s rounded to 16 bits would shift every value of the group by the same error."""
+    scales = store[f"{role}_scales"].astype(mx.float32)
+    return {**store, f"{role}_scales": scales, f"{role}_biases": scales * -(((1 << bits) - 1) / 2)}
 
 
 def affine_dequantize(
