@@ -225,6 +225,21 @@ def test_rope_kernel_waits_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPat
     assert automatic._decode_plan(4) is None
 
 
+def _assert_encoded_alike(fused: dict[str, mx.array], reference: dict[str, mx.array]) -> None:
+    """The fused encode's entries against the reference's: the same names, shapes and dtypes; packed codes equal but
+    for at most 1 word in 1,000 (a value within float rounding of a boundary takes the neighbouring code); norms and
+    scales, stored in 16 bits and summed in another order, within one float16 step (2^-10 relative)."""
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype == mx.uint32:
+            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
+        else:
+            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
+            assert error <= 2**-10, (name, error)
+
+
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec,head_dim", [("turboquant:k4v4:g64", 128), ("turboquant:k1v1:g64", 128),
                                            ("turboquant:k3v3:g64", 64), ("rvq:k3v3:g64", 128), ("rvq:k4v4:g64", 64),
@@ -240,17 +255,7 @@ def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> N
     rotated = cache._keys_in(keys)
     fused = cache._encode(rotated, rotated)
     reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(rotated, "value")}
-    assert list(fused) == list(reference)
-    for name, ref in reference.items():
-        got = fused[name]
-        assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        if ref.dtype == mx.uint32:
-            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
-        else:
-            # Norms and scales are stored in 16 bits: summed in another order, one may round to the neighbouring
-            # float16 (a relative step of 2^-10).
-            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
-            assert error <= 2**-10, (name, error)
+    _assert_encoded_alike(fused, reference)
 
 
 @pytest.mark.usefixtures("emulated")
@@ -272,15 +277,7 @@ def test_emulated_polar_encode_kernel_matches_reference(spec: str, head_dim: int
     values = rotated * 0.5 + 0.25
     fused = cache._encode(rotated, values)
     reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(values, "value")}
-    assert list(fused) == list(reference)
-    for name, ref in reference.items():
-        got = fused[name]
-        assert got.shape == ref.shape and got.dtype == ref.dtype, name
-        if ref.dtype == mx.uint32:
-            assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
-        else:
-            error = float(mx.max(mx.abs(got - ref) / mx.maximum(mx.abs(ref), 1e-3)))
-            assert error <= 2**-10, (name, error)
+    _assert_encoded_alike(fused, reference)
     # Decoded, the kernel's codes give the reference's vectors (a flipped code moves one angle by one cell)
     decoded, expected = cache._decode(fused), cache._decode(reference)
     for got, ref in zip(decoded, expected, strict=True):

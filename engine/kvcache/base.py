@@ -30,6 +30,7 @@ from engine.errors import ConfigError
 from engine.kvcache import attention as _attention
 from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig, n_wide_layers
+from engine.kvcache.quant.sketch import SIGN_ESTIMATOR_SCALE
 from engine.runtime.cpu import attention as cpu_attention
 from engine.runtime.masks import apply_attention_mask
 
@@ -408,11 +409,19 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         codec, value arrays), in the order of `kernels/decode.py`'s codec macros; None: no kernel."""
         return None
 
-    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
-        """The second query the decode kernel reads for keys with a sign sketch (`_kernel_codecs`' key codec in
-        kernels.decode.SKETCH_KINDS): sqrt(π/2)/m · S q (float32) of the queries as `_queries_in` gives them; None
-        for every other method."""
+    def _key_sketch(self) -> mx.array | None:
+        """The m×D sketch S of keys stored as its sign bits (`_kernel_codecs`' key codec in
+        kernels.decode.SKETCH_KINDS: turboquant_prod, qjl), which the decode kernel's sketched query and the history
+        decode need; None for a method whose keys have channels of their own."""
         return None
+
+    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
+        """The second query the decode kernel reads for sketched keys: sqrt(π/2)/m · S q (float32) of the queries
+        as `_queries_in` gives them; None for every other method."""
+        sketch = self._key_sketch()
+        if sketch is None:
+            return None
+        return (queries.astype(mx.float32) @ sketch.T) * (SIGN_ESTIMATOR_SCALE / sketch.shape[0])
 
     def _kernel_key_block(self) -> int:
         """Tokens per key scale block the decode kernel reads (KIVI's key block; others: the group size)."""
@@ -830,13 +839,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         dense = self._dense_dtype  # as the reference: decoded into the cache's 16-bit dtype, then cast
         keys, values = _kernels.dequantize_history(
             key_codec, key_arrays, value_codec, value_arrays, self._n_compressed, self._k_head_dim,
-            self.config.group_size, dense, backend, sketch=self._history_sketch())
+            self.config.group_size, dense, backend, sketch=self._key_sketch())
         return (keys, values) if dense == dtype else (keys.astype(dtype), values.astype(dtype))
-
-    def _history_sketch(self) -> mx.array | None:
-        """The m×D sketch S that the history decode rebuilds sketched keys with (turboquant_prod, qjl); None for a
-        method whose keys have channels of their own."""
-        return None
 
     def _dequantize_launch(self) -> tuple[str, tuple[Any, ...]] | None:
         """(backend, the method's kernel codecs and arrays) where the history-decode kernel decodes this cache, else
@@ -865,8 +869,11 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return f"method {self.method_name!r} has no decode kernel"
         backend = _kernels.available_backend()
         unverified = _kernels.decode.unverified_on
-        declined = (self.kernel_declines(self.config) or self._kernel_declines_here(rows)
-                    or unverified(codecs[0], backend) or unverified(codecs[2], backend))
+        # Sketched keys: verified on the backend, and their sketched query rows must fit the threadgroup memory
+        key_declines = (_kernels.decode.sketch_declines(codecs[0], self._k_head_dim, rows, backend)
+                        if codecs[0].kind in _kernels.decode.SKETCH_KINDS else unverified(codecs[0], backend))
+        declined = (self.kernel_declines(self.config) or self._kernel_declines_here(rows) or key_declines
+                    or unverified(codecs[2], backend))
         if declined is not None:
             return declined
         if not (codecs[0].supported and codecs[2].supported):

@@ -183,12 +183,5 @@ class VeloxQJLKVCache(SegmentedKVCache):
             [store["value_codes"], store["value_scales"], store["value_biases"]],
         )
 
-    def _history_sketch(self) -> mx.array | None:
+    def _key_sketch(self) -> mx.array | None:
         return self._sketch
-
-    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
-        return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
-
-    def _kernel_declines_here(self, rows: int) -> str | None:
-        return _kernels.decode.sketch_declines(
-            Codec("qjl", self.config.key_bits), self._k_head_dim, rows, _kernels.available_backend())

@@ -38,7 +38,6 @@ from engine.kvcache.methods.turboquant import (
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
 from engine.kvcache.quant.sketch import (
-    SIGN_ESTIMATOR_SCALE,
     gaussian_sketch,
     sketch_reconstruction,
     sketch_signs,
@@ -146,13 +145,5 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
             [store["value_codes"], store["value_norms"], self._kernel_table("value0")],
         )
 
-    def _history_sketch(self) -> mx.array | None:
-        return self._sketch
-
-    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
-        # The rotated queries through the residuals' sketch, with the estimator's constant (m = d rows).
-        return (queries.astype(mx.float32) @ self._sketch.T) * (SIGN_ESTIMATOR_SCALE / self._sketch.shape[0])
-
-    def _kernel_declines_here(self, rows: int) -> str | None:
-        return _kernels.decode.sketch_declines(
-            Codec("prod", self.config.key_bits - 1), self._k_head_dim, rows, _kernels.available_backend())
+    def _key_sketch(self) -> mx.array | None:
+        return self._sketch  # the residuals' sketch (m = d rows); the kernel meets it with the rotated queries
