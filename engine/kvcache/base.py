@@ -415,9 +415,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         decode need; None for a method whose keys have channels of their own."""
         return None
 
-    def _kernel_sketched_queries(self, queries: mx.array) -> mx.array | None:
-        """The second query the decode kernel reads for sketched keys: sqrt(π/2)/m · S q (float32) of the queries
-        as `_queries_in` gives them; None for every other method."""
+    def _sketched_queries(self, queries: mx.array) -> mx.array | None:
+        """sqrt(π/2)/m · S q (float32) for sketched keys, None for every other method: what a sketched key's sign
+        bits are scored against (the decode kernel's second query, of the queries as `_queries_in` gives them;
+        qjl's reference scores)."""
         sketch = self._key_sketch()
         if sketch is None:
             return None
@@ -953,7 +954,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             self._n_compressed,
             self.n_duplicated,
             out_signs=signs,
-            sketched=self._kernel_sketched_queries(transformed) if plan.sketch else None,
+            sketched=self._sketched_queries(transformed) if plan.sketch else None,
         )
         if signs is None:
             output = self._output_out(output)

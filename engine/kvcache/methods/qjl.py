@@ -45,7 +45,6 @@ from engine.kvcache.methods.affine import (
 from engine.kvcache.methods.turboquant import DEQUANTIZE_CHUNK_TOKENS, NORM_BITS
 from engine.kvcache.quant.bitpack import MLX_AFFINE_BITS
 from engine.kvcache.quant.sketch import (
-    SIGN_ESTIMATOR_SCALE,
     gaussian_sketch,
     signs_as_pm_one,
     sketch_reconstruction,
@@ -156,7 +155,7 @@ class VeloxQJLKVCache(SegmentedKVCache):
 
     def _compressed_scores(self, queries: mx.array, store: dict[str, mx.array]) -> mx.array:
         m = self._sketch.shape[0]
-        sketched = (queries.astype(mx.float32) @ self._sketch.astype(mx.float32).T) * (SIGN_ESTIMATOR_SCALE / m)  # [.., R, m]
+        sketched = self._sketched_queries(queries)  # [.., R, m]
         n_tokens = store["key_norms"].shape[-2]
         parts = []
         for start in range(0, n_tokens, DEQUANTIZE_CHUNK_TOKENS):
