@@ -531,3 +531,80 @@ def test_keys_on_a_grid_without_a_tile_at_the_models_rows_take_the_reference_pat
     ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
     assert cache._decode_plan(16) is None
     assert float(mx.max(mx.abs(out - ref))) <= 2e-3
+
+
+OUTLIER_SPECS = (
+    # The 3-bit candidate of issue 12 (scale-only rotated values, key outliers), keys as given and before RoPE
+    "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1",
+    "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:" + ROPE_SPEC.format("false"),
+    "kivi:k4v4:g64:w5:key_outliers=1:" + ROPE_SPEC.format("true"),
+    "kivi:k2v2:g32:s2:key_outliers=1",
+)
+
+
+def _spiked(spec: str, tokens: int, rows: int, seed: int):
+    """A cache of `spec` (kernels required, head_dim 128) holding random keys with a few large entries, so each
+    block's outlier weighs in the scores."""
+    config = KVCacheConfig.parse(spec)
+    config = replace(config, options={**config.options, "kernels": "require"})
+    shape = ModelShape(n_layers=1, n_heads=rows * N_KV, n_kv_heads=N_KV, head_dim=128)
+    cache = KVCacheBuilder(config).for_shape(shape).build()[0]
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((1, N_KV, tokens, 128), dtype=np.float32)
+    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
+    values = rng.standard_normal((1, N_KV, tokens, 128), dtype=np.float32)
+    return filled_then_stepped(cache, mx.array(keys), mx.array(values))
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", OUTLIER_SPECS)
+def test_tiled_pass_adds_key_outliers_like_the_reference(spec: str) -> None:
+    """key_outliers: the tiled pass adds each block's outlier share q_c·residual to its token's score (keys before
+    RoPE: the residual turned at its position) and matches the reference path, which adds them after
+    quantized_matmul (or decodes the keys, before RoPE); the shares matter here (without them the reference moves
+    well past the tolerance), over several key blocks, tiles and splits."""
+    from engine.kvcache.kernels import decode
+
+    for tokens in (200, 301, 1200):
+        cache = _spiked(spec, tokens, 4, seed=tokens)
+        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
+        out = cache.attention(queries, None, None, scale=0.088, mask=None)
+        reference = _reference_of(cache)
+        ref = reference.attention(queries, None, None, scale=0.088, mask=None)
+        plan = cache._decode_plan(4)
+        assert plan is not None and ("KO", 1) in plan.template
+        assert ("ROPE", int("rope=pre" in spec)) in plan.template
+        if tokens == 1200:
+            assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
+        error = float(mx.max(mx.abs(out - ref)))
+        assert error <= 2e-3, (spec, tokens, error)
+        # The same cache with every residual zero: the outliers' shares are what the kernel matched
+        assert reference._store is not None
+        reference._store = {**reference._store,
+                            "key_outlier_residuals": mx.zeros_like(reference._store["key_outlier_residuals"])}
+        without = reference.attention(queries, None, None, scale=0.088, mask=None)
+        assert float(mx.max(mx.abs(without - ref))) > 20 * 2e-3, (spec, tokens)
+
+
+@pytest.mark.usefixtures("emulated")
+def test_key_outliers_wait_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend not in OUTLIER_BACKENDS declines the kernel for a key_outliers cache (kernels=require: an error
+    saying why; auto: the reference path), keys as given or before RoPE (rope=auto then keeps them as given)."""
+    from engine.kvcache.kernels import decode
+    from engine.kvcache.methods.kivi import VeloxKIVIKVCache
+    from engine.kvcache.quant.rope import RopeParameters
+
+    monkeypatch.setattr(decode, "OUTLIER_BACKENDS", ())
+    for spec in OUTLIER_SPECS[:2]:
+        cache = _spiked(spec, 300, 4, seed=1)
+        queries = mx.zeros((1, 4 * N_KV, 1, 128))
+        with pytest.raises(ConfigError, match="key outliers .* parity"):
+            cache.attention(queries, None, None, scale=0.088, mask=None)
+        automatic = _reference_of(cache)
+        automatic.config = replace(cache.config, options={**cache.config.options, "kernels": "auto"})
+        assert automatic._decode_plan(4) is None
+    rope = RopeParameters(dims=128, base=10000.0, scale=1.0, traditional=False)
+    config = KVCacheConfig.parse(OUTLIER_SPECS[0])
+    assert "parity" in VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 4)
+    monkeypatch.setattr(decode, "OUTLIER_BACKENDS", (EMULATE,))
+    assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 4) is None

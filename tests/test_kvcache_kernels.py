@@ -168,13 +168,15 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
                                 {"D": 128, "NT": 128, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
-    for rope in (0, 1):  # keys as given; keys stored before RoPE (KIVI's rope=pre)
+    # keys as given; keys stored before RoPE (KIVI's rope=pre); each with block outliers (key_outliers)
+    for rope, outliers in ((0, 0), (1, 0), (0, 1), (1, 1)):
         units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine)
-                                | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32},
+                                | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32, "kout": mx.float16,
+                                   "kidx": mx.uint8},
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4, "KGRID": 1,
-                                 "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1,
-                                 "TD": mx.bfloat16}))
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4,
+                                 "KGRID": 1 - outliers, "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "KO": outliers,
+                                 "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1, "TD": mx.bfloat16}))
     for key, value in pairs:
         if key.kind != "kivi_keys":
             dtypes = {name: dtype for name, dtype in _attend_dtypes(key, value).items() if name[0] in "kv" and name[1:].isdigit()}
@@ -387,6 +389,38 @@ def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: 
     ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
     error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
     assert np.isfinite(error) and error <= 2e-3, f"rope=pre traditional={traditional} tokens={tokens}: {error}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("rope", ["none", "pre", "pre-traditional"])
+@pytest.mark.parametrize("tokens", (1000, 8193, 33000))
+def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's key_outliers through the tiled pass on this GPU (its backend let into decode.OUTLIER_BACKENDS, and
+    ROPE_BACKENDS, for the test) against the reference path in float32 on the CPU stream (quantized_matmul plus the
+    outliers' scatter-add; keys before RoPE: decoded with their residuals and turned): the parity run behind a
+    backend's place in OUTLIER_BACKENDS. Keys with a few large entries, so the outliers weigh in the scores; the
+    3-bit layout of issue 12's candidate (scale-only rotated values)."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setattr(decode, "OUTLIER_BACKENDS", (*decode.OUTLIER_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "ROPE_BACKENDS", (*decode.ROPE_BACKENDS, available_backend()))
+    options = {"key_block": 128, "rotate_values": True, "symmetric_values": True, "key_outliers": 1}
+    if rope != "none":
+        options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
+                    "rope_traditional": rope == "pre-traditional"}
+    config = KVCacheConfig(method="kivi", key_bits=3, group_size=64, sink_tokens=4,
+                           options={**options, "kernels": "require"})
+    shape = ModelShape(n_layers=1, n_heads=8, n_kv_heads=2, head_dim=128)
+    fused = KVCacheBuilder(config).for_shape(shape).build()[0]
+    rng = np.random.default_rng(tokens)
+    keys = rng.standard_normal((1, 2, tokens, 128), dtype=np.float32)
+    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
+    values = rng.standard_normal((1, 2, tokens, 128), dtype=np.float32)
+    fused = filled_then_stepped(fused, mx.array(keys).astype(mx.bfloat16), mx.array(values).astype(mx.bfloat16))
+    plan = fused._decode_plan(4)
+    assert plan is not None and ("KO", 1) in plan.template and ("ROPE", int(rope != "none")) in plan.template
+    error = _error_against_cpu_reference(fused, 2, 4, 128, seed=tokens + 7)
+    assert np.isfinite(error) and error <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: max abs err {error}"
 
 
 @needs_gpu

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -510,6 +511,10 @@ _TILED_BODY = """
   SHARED float sh_kb[D];             // the tile's key biases (refolded, KFOLD)
   SHARED float sh_ks[D];             // ... and scales x KUP (ROPE: each key is decoded and turned by its position)
   SHARED float sh_rf[D / 2];         // ROPE: each channel pair's angle per position (MLX's, see RopeParameters)
+  // KO (KIVI's key_outliers): each channel's block outlier, as its token's place in the tile (a value outside [0, CT):
+  // not in this tile) and its residual against the decoded key (quant/outliers.py).
+  SHARED int sh_ko[KO ? D : 1];
+  SHARED float sh_kd[KO ? D : 1];
   SHARED U32 sh_kw[D * KWP + 1];     // the tile's key codes, one row of KW words (KWP apart) per channel
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
@@ -569,6 +574,8 @@ _TILED_BODY = """
   float st_vb[NVG];
   float st_ks[NDK];
   float st_kb[NDK];
+  int st_ko[KO ? NDK : 1];
+  float st_kd[KO ? NDK : 1];
 #define STAGE_LOAD(at) { \
     const int sb = (at); \
     const int kg = sb / GK; \
@@ -607,6 +614,10 @@ _TILED_BODY = """
       if (FULL_DK || d < D) { \
         st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
         st_kb[j] = (float)k2[((long)bh * D + d) * k_groups + kg]; \
+        if (KO) { \
+          st_ko[KO ? j : 0] = (int)kidx[((long)bh * D + d) * k_groups + kg] - sb % GK; \
+          st_kd[KO ? j : 0] = (float)kout[((long)bh * D + d) * k_groups + kg]; \
+        } \
       } \
     } \
   }
@@ -627,6 +638,7 @@ _TILED_BODY = """
         sh_kb[d] = KFOLD ? st_kb[j] - KUP * st_ks[j] : st_kb[j]; \
         sh_ks[d] = KUP * st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (KUP * st_ks[j]); \
+        if (KO) { sh_ko[KO ? d : 0] = st_ko[KO ? j : 0]; sh_kd[KO ? d : 0] = st_kd[KO ? j : 0]; } \
       } \
     } \
   }
@@ -658,6 +670,13 @@ _TILED_BODY = """
       float acc[TT][R];
       for (int i = 0; i < TT; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
+// The sine and cosine of a pair's angle at `position`, as MLX's RoPE computes the angle (float32 position x
+// frequency), reduced to [-pi, pi] by whole turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast
+// sine and cosine serve: a full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad.
+#define TURN_AT(position, freq, sn, cs) { \
+    const float angle_ = (position) * (freq); \
+    const float turns_ = RINT(angle_ * 0.159154943091895f); \
+    SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
       if (ROPE) {
         // Keys stored before RoPE (KIVI's rope=pre): token t of the tile sits at position base + t (the stream
         // starts at position 0); the thread's DC/2 channel pairs are decoded, turned by position x the pair's
@@ -682,20 +701,41 @@ _TILED_BODY = """
             const float xb = KGRID ? sh_kgrid[(bits_b >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_b, i, KB, one_bits);
             const float ka = scale_a * xa + bias_a;
             const float kb = scale_b * xb + bias_b;
-            // The angle as MLX's RoPE computes it (float32 position x frequency), reduced to [-pi, pi] by whole
-            // turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast sine and cosine serve: a
-            // full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad (long contexts).
-            const float angle = (first + (float)i) * freq;
-            const float turns = RINT(angle * 0.159154943091895f);
-            const float reduced = FMA(-turns, -1.7484555314695172e-07f, FMA(-turns, 6.2831854820251465f, angle));
             float sn, cs;
-            SINCOS_PI(reduced, sn, cs);
+            TURN_AT(first + (float)i, freq, sn, cs);
             const float ra = ka * cs - kb * sn;
             const float rb = ka * sn + kb * cs;
 #pragma unroll
             for (int r = 0; r < R; ++r) {   // two multiply-adds (a sum of the two products first costs a third op)
               acc[i][r] += qa[r] * ra;
               acc[i][r] += qb[r] * rb;
+            }
+          }
+        }
+        if (KO) {
+          // Block outliers among the run's tokens (rare: TT of a block's GK tokens), after the pairs' loop so it
+          // stays as it was: the residual (ea, eb) of a pair's key before RoPE, turned at its position like the key.
+          for (int jj = 0; jj < DP; ++jj) {
+            const int j = slice * DP + jj;
+            const int a = TRAD ? 2 * j : j;
+            const int b = TRAD ? 2 * j + 1 : j + D / 2;
+            const int oa = sh_ko[KO ? a : 0] - run * TT;
+            const int ob = sh_ko[KO ? b : 0] - run * TT;
+            if ((unsigned)oa < (unsigned)TT || (unsigned)ob < (unsigned)TT) {
+              const float freq = sh_rf[j];
+#pragma unroll
+              for (int i = 0; i < TT; ++i) {   // constant i: acc stays in registers
+                if (i == oa || i == ob) {
+                  const float ea = (i == oa) ? sh_kd[KO ? a : 0] : 0.0f;
+                  const float eb = (i == ob) ? sh_kd[KO ? b : 0] : 0.0f;
+                  float sn, cs;
+                  TURN_AT(first + (float)i, freq, sn, cs);
+                  const float ra = ea * cs - eb * sn;
+                  const float rb = ea * sn + eb * cs;
+#pragma unroll
+                  for (int r = 0; r < R; ++r) acc[i][r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
+                }
+              }
             }
           }
         }
@@ -712,6 +752,21 @@ _TILED_BODY = """
             const float x = KGRID ? sh_kgrid[(bits >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits, i, KB, one_bits);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
+          }
+        }
+        if (KO) {
+          // Block outliers among the run's tokens (rare: TT of a block's GK tokens): q_d x the residual.
+          for (int j = 0; j < DC; ++j) {
+            const int d = slice * DC + j;
+            const int o = sh_ko[KO ? d : 0] - run * TT;
+            if ((unsigned)o < (unsigned)TT) {
+              const float delta = sh_kd[KO ? d : 0];
+#pragma unroll
+              for (int i = 0; i < TT; ++i)   // constant i: acc stays in registers
+                if (i == o)
+#pragma unroll
+                  for (int r = 0; r < R; ++r) acc[i][r] += sh_q[d * R + r] * delta;
+            }
           }
         }
       }
@@ -950,12 +1005,17 @@ class Codec:
     grid: bool = False
     # PolarQuant's levels L (head_dim = 2^L); 0 for every other kind.
     levels: int = 0
+    # KIVI keys with one 16-bit outlier per channel and key block (option key_outliers): the role's arrays end with
+    # their residuals (float16) and indices (uint8), [B, H, D, blocks]; only the tiled pass reads them.
+    outliers: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _CODEC_MACROS:
             raise ValueError(f"Unknown codec kind {self.kind!r}; known are {', '.join(_CODEC_MACROS)}.")
         if (self.kind == "polar") != (self.levels >= 3):
             raise ValueError("A polar codec needs its levels (at least 3: 8 channels a lane); no other codec has any.")
+        if self.outliers and (self.kind != "kivi_keys" or self.grid):
+            raise ValueError("Only KIVI keys without a grid have block outliers.")
 
     @property
     def slots(self) -> int:
@@ -1028,6 +1088,8 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
     """The attention pass for one (key codec, value codec) pair: the shared body with the two macros."""
     if value.kind in SKETCH_KINDS:
         raise ValueError(f"The {value.kind!r} codec reads keys only.")
+    if key.outliers:
+        raise ValueError("Only the tiled pass reads block outliers.")
     inputs = (
         "qry", *(("qry2",) if key.kind in SKETCH_KINDS else ()), "qscale", "sink_k", "sink_v", "win_k", "win_v",
         "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
@@ -1055,6 +1117,11 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
 # here: the GPU parity test runs on one).
 ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+# Backends where the tiled pass adds KIVI's block outliers (KO = 1; option key_outliers) to its scores; elsewhere such a
+# cache attends through the reference path (quantized_matmul plus one scatter-add of q_c·residual per block). The CPU
+# emulator checks it against the reference in the tests; CUDA and Metal wait for a GPU parity run.
+OUTLIER_BACKENDS: tuple[str, ...] = ("emulate",)
+
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
@@ -1065,7 +1132,7 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq",
+        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx",
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -1097,7 +1164,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
         runs = tile // TILED_RUN
         if tile % TILED_RUN or threads % runs or (head_dim // 2) % (threads // runs):
             return None
-        shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.bits, value.bits, group_size)
+        shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.bits, value.bits, group_size, key.outliers)
         if shared <= TILED_SHARED_LIMIT:
             return tile
         tile //= 2
@@ -1106,7 +1173,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
 
 
 def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bits: int, value_bits: int,
-                       group_size: int) -> int:
+                       group_size: int, outliers: bool = False) -> int:
     """Bytes of threadgroup memory the tiled pass declares (`_TILED_BODY`'s SHARED arrays, all 4-byte; an upper
     bound: the compiler drops what a variant never reads, e.g. the RoPE angles)."""
     d, r, nt, ct = head_dim, rows, threads, tile
@@ -1127,6 +1194,7 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
         + max(parts * part, (nt // (d // 8)) * d)   # sh_s (also the token groups' outputs)
         + ct * r                                    # sh_p
         + 3 * r + 32                                # sh_m, sh_l, sh_corr, the two grids
+        + (2 * d if outliers else 2)                # sh_ko, sh_kd
     )
     return 4 * words
 
@@ -1227,7 +1295,7 @@ def split_count(n_compressed: int, n_rows: int, tile: int, target_groups: int | 
 
 
 _SCALES: dict[float, mx.array] = {}
-_DUMMIES: dict[tuple[int, str], mx.array] = {}
+_DUMMIES: dict[tuple[int, str], Any] = {}
 
 
 def _scale_array(scale: float) -> mx.array:
@@ -1245,6 +1313,14 @@ def _no_grid() -> mx.array:
     if array is None:
         array = _DUMMIES[(16, "grid")] = mx.zeros((16,), dtype=mx.float32)
     return array
+
+
+def _no_outliers() -> tuple[mx.array, mx.array]:
+    """The tiled pass's block-outlier inputs for keys without them (KO = 0: never read)."""
+    pair = _DUMMIES.get((1, "outliers"))
+    if pair is None:
+        pair = _DUMMIES[(1, "outliers")] = (mx.zeros((1,), dtype=mx.float16), mx.zeros((1,), dtype=mx.uint8))
+    return pair
 
 
 def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
@@ -1299,10 +1375,13 @@ def plan_decode(
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
                     ("TT", TILED_RUN),
-                    ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])))
-        # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles
+                    ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
+                    ("KO", int(key_codec.outliers)))
+        # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
+        # keys' block outliers (placeholders without)
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
-                  value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0])
+                  value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0],
+                  *(key_arrays[-2:] if key_codec.outliers else _no_outliers()))
     else:
         tile = tile_tokens(key_codec, group_size, head_dim, key_block)
         assert tile is not None

@@ -92,9 +92,10 @@ the decode kernel read the codes with biases -h·s derived per use (transient; n
 Option `key_outliers` (0 or 1; default 0) keeps, per key channel and block, the one entry that widens the block's
 range most in 16 bits with an 8-bit index (`quant/outliers.py`: KVQuant's dense-and-sparse split), and quantizes the
 block without it: +0.094 bits per value at 128-token blocks. Paid for by symmetric rotated values it took the 3-bit
-level's layout from +3.31 % to +2.78 % on held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10). No
-`mx.quantized_matmul` adds the outliers back and the decode kernel does not yet, so attention decodes the keys
-(`decodes_history_without_kernel`, `kernel_declines`): not a level until the kernel reads them.
+level's layout from +3.31 % to +2.78 % on held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10).
+The residual of each outlier against its decoded entry is what is stored, so attention adds q_c·residual to one
+token's score per channel and block: on the reference path one scatter-add after `mx.quantized_matmul`, in the decode
+kernel's tiled pass a rare branch per channel and run of tokens (`kernels/decode.py`, OUTLIER_BACKENDS).
 
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
@@ -131,7 +132,9 @@ from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, 
 from engine.kvcache.quant.outliers import (
     OUTLIER_INDEX_BITS,
     OUTLIER_VALUE_BITS,
-    restore_block_outliers,
+    add_block_residuals,
+    block_residuals,
+    scatter_block_scores,
     split_block_outliers,
 )
 from engine.kvcache.quant.rope import RopeParameters, model_rope
@@ -139,7 +142,7 @@ from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rot
 from engine.kvcache.registry import register_method
 
 # Arrays with the token axis last (per-channel keys); every other store array has it at -2.
-KEY_PARTS = ("key_codes", "key_scales", "key_biases", "key_outliers", "key_outlier_index")
+KEY_PARTS = ("key_codes", "key_scales", "key_biases", "key_outlier_residuals", "key_outlier_index")
 
 # Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
 # option per RopeParameters field, in its order.
@@ -343,12 +346,13 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
         if rope.dims != head_dim:
             return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
-        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
+        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None,
+                    outliers=bool(config.options.get("key_outliers", 0)))
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
             return (f"only the tiled decode pass turns keys stored before RoPE, and it has no tile for {rows} query "
                     f"heads per kv head in this layout")
-        return None
+        return cls._outlier_kernel_declines(config, head_dim, rows)
 
     @classmethod
     def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:
@@ -371,8 +375,23 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _kernel_declines_here(self, rows: int) -> str | None:
         if self._rope is None:
-            return None
+            return self._outlier_kernel_declines(self.config, self._k_head_dim, rows)
         return self._rope_kernel_declines(self.config, self._rope, self._k_head_dim, rows)
+
+    @classmethod
+    def _outlier_kernel_declines(cls, config: KVCacheConfig, head_dim: int, rows: int) -> str | None:
+        """Why the decode kernel cannot add one layer's key outliers (option key_outliers) on this device, for `rows`
+        query heads per kv head (None: it can, or the layer has none)."""
+        if not config.options.get("key_outliers", 0):
+            return None
+        if _kernels.available_backend() not in _kernels.decode.OUTLIER_BACKENDS:
+            return "the decode kernel's key outliers (key_outliers) have not passed the parity tests on this backend yet"
+        key = Codec("kivi_keys", config.key_bits, outliers=True)
+        value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
+        if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
+            return (f"only the tiled decode pass adds key outliers, and it has no tile for {rows} query heads per kv "
+                    f"head in this layout")
+        return None
 
     @classmethod
     def check_wide(cls, config: KVCacheConfig, head_dim: int) -> None:
@@ -424,16 +443,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             # Measured on the 2-core CPU, SmolLM2 at 4,000 tokens: 3.2 tok/s against 8.1 for plain 2-bit KIVI
             # (benchmarks/results/cpu_decode_probe.json).
             return "no quantized_matmul reads codes on a grid (key_grid, value_grid): attention decodes them"
-        if config.options.get("key_outliers", 0):
-            return "no quantized_matmul adds the 16-bit key outliers back (key_outliers): attention decodes the keys"
         return None
 
     @classmethod
-    def kernel_declines(cls, config: KVCacheConfig) -> str | None:
-        if config.options.get("key_outliers", 0):
-            return "the decode kernel does not add the 16-bit key outliers (key_outliers) to its scores yet"
-        return None
-
     @classmethod
     def rotates_values(cls, config: KVCacheConfig) -> bool:
         return bool(config.options.get("rotate_values", False))
@@ -501,22 +513,28 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         keys_transposed = keys.swapaxes(-1, -2)
-        outliers: dict[str, mx.array] = {}
+        found = None
         if self.config.options.get("key_outliers", 0):
-            keys_transposed, found, index = split_block_outliers(keys_transposed, self.token_block)
-            outliers = {"key_outliers": found, "key_outlier_index": index}
+            keys_transposed, outliers, index = split_block_outliers(keys_transposed, self.token_block)
+            found = (outliers, index)
+        key_store = (
+            quantize(keys_transposed, "key", self.token_block, self.config.key_bits)
+            if key_grid is None
+            else grid_quantize(keys_transposed, "key", self.token_block, self.config.key_bits, key_grid)
+        )
+        if found is not None:
+            # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
+            # token's score on top of the codes it reads anyway.
+            decoded = affine_dequantize(key_store, "key", self.token_block, self.config.key_bits, float32_scales=True)
+            key_store["key_outlier_residuals"] = block_residuals(decoded, found[0], found[1], self.token_block)
+            key_store["key_outlier_index"] = found[1]
         return {
             **(
                 value_quantize(values, "value", group_size, self.config.value_bits)
                 if value_grid is None
                 else grid_quantize(values, "value", group_size, self.config.value_bits, value_grid)
             ),
-            **(
-                quantize(keys_transposed, "key", self.token_block, self.config.key_bits)
-                if key_grid is None
-                else grid_quantize(keys_transposed, "key", self.token_block, self.config.key_bits, key_grid)
-            ),
-            **outliers,
+            **key_store,
         }
 
     def _readable(self, store: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -527,10 +545,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return store
 
     def _with_outliers(self, store: dict[str, mx.array], keys_transposed: mx.array) -> mx.array:
-        """Decoded Kᵀ with the blocks' 16-bit outliers written back (option key_outliers)."""
-        if "key_outliers" not in store:
+        """Decoded Kᵀ with the blocks' 16-bit outliers restored (option key_outliers: their residuals added)."""
+        if "key_outlier_residuals" not in store:
             return keys_transposed
-        return restore_block_outliers(keys_transposed, store["key_outliers"], store["key_outlier_index"],
+        return add_block_residuals(keys_transposed, store["key_outlier_residuals"], store["key_outlier_index"],
                                       self.token_block)
 
     def _grid_decode(self, store: dict[str, mx.array], role: str) -> mx.array | None:
@@ -596,11 +614,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is not None:  # no quantized_matmul reads a grid: decode, then multiply
             return queries.astype(mx.float32) @ keys_transposed
-        if "key_outliers" in store:  # nor adds the outliers back
-            return queries.astype(mx.float32) @ self._decode_keys(store).swapaxes(-1, -2)
-        return affine_matmul(
-            queries, store, "key", self.token_block, self.config.key_bits, transpose=False
-        )
+        scores = affine_matmul(queries, store, "key", self.token_block, self.config.key_bits, transpose=False)
+        if "key_outlier_residuals" in store:  # each block's outlier: one product added to one token's score
+            scores = scatter_block_scores(scores, queries, store["key_outlier_residuals"], store["key_outlier_index"],
+                                          self.token_block)
+        return scores
 
     def _compressed_values(self, weights: mx.array, store: dict[str, mx.array]) -> mx.array:
         values = self._grid_decode(store, "value")
@@ -618,10 +636,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         store = self._readable(self._store)
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
+        outliers = "key_outlier_residuals" in store
         return (
-            Codec("kivi_keys", self.config.key_bits, grid=key_grid is not None),
+            Codec("kivi_keys", self.config.key_bits, grid=key_grid is not None, outliers=outliers),
             [store["key_codes"], store["key_scales"], store["key_biases"],
-             *([] if key_grid is None else [grid_table(key_grid, "key", self.config.key_bits)])],
+             *([] if key_grid is None else [grid_table(key_grid, "key", self.config.key_bits)]),
+             *([store["key_outlier_residuals"], store["key_outlier_index"]] if outliers else [])],
             Codec("affine", self.config.value_bits, grid=value_grid is not None),
             [store["value_codes"], store["value_scales"], store["value_biases"],
              *([] if value_grid is None else [grid_table(value_grid, "value", self.config.value_bits)])],
