@@ -419,8 +419,15 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
     fused = filled_then_stepped(fused, mx.array(keys).astype(mx.bfloat16), mx.array(values).astype(mx.bfloat16))
     plan = fused._decode_plan(4)
     assert plan is not None and ("KO", 1) in plan.template and ("ROPE", int(rope != "none")) in plan.template
-    error = _error_against_cpu_reference(fused, 2, 4, 128, seed=tokens + 7)
-    assert np.isfinite(error) and error <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: max abs err {error}"
+    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
+    out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
+    with mx.stream(mx.cpu):
+        ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
+        mx.eval(ref)
+    # The large entries make attention peaked, so outputs near 1 are common: beyond 2e-3, the bf16 output's own
+    # rounding (half a unit, 2^-8 relative) is allowed
+    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+    assert np.isfinite(excess) and excess <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: {excess}"
 
 
 @needs_gpu

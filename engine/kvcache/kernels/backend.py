@@ -17,6 +17,8 @@ Every kernel in this package is written once, as a body in a small common dialec
                    a body reduces larger angles itself, with RINT and FMA)
     RINT, FMA      float round-to-nearest-integer and fused multiply-add
     ATAN2(y, x)    float atan2, the accurate one (Metal's precise::, not its fast-math default)
+    SHARED_ADD(p, v)  atomically add float v to the shared float at p (CUDA's atomicAdd; on Metal a compare-and-swap
+                   loop on the word as an atomic_uint, which threadgroup memory has on every Metal GPU)
     AS_F32(u)      the float whose bits are the unsigned integer u
     AS_U32(x)      the unsigned integer whose bits are the float x
     U2F(c)         float value of an unsigned code c < 2^23, exactly: the bits of 2^23 + c as a float, minus
@@ -64,6 +66,7 @@ _CUDA_HEADER = """
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
 #define ATAN2(y, x) atan2f((y), (x))
+#define SHARED_ADD(p, v) atomicAdd((p), (v))
 """
 
 _CUDA_PRELUDE = """
@@ -91,6 +94,11 @@ _METAL_HEADER = """
 #define RINT(x) metal::rint(x)
 #define FMA(a, b, c) metal::fma((a), (b), (c))
 #define ATAN2(y, x) metal::precise::atan2((y), (x))
+#define SHARED_ADD(p, v) { \\
+    threadgroup atomic_uint* word_ = (threadgroup atomic_uint*)(p); \\
+    uint seen_ = atomic_load_explicit(word_, memory_order_relaxed); \\
+    while (!atomic_compare_exchange_weak_explicit(word_, &seen_, as_type<uint>(as_type<float>(seen_) + (v)), \\
+                                                  memory_order_relaxed, memory_order_relaxed)) {} }
 """
 
 _METAL_PRELUDE = """

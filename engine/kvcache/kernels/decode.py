@@ -511,10 +511,9 @@ _TILED_BODY = """
   SHARED float sh_kb[D];             // the tile's key biases (refolded, KFOLD)
   SHARED float sh_ks[D];             // ... and scales x KUP (ROPE: each key is decoded and turned by its position)
   SHARED float sh_rf[D / 2];         // ROPE: each channel pair's angle per position (MLX's, see RopeParameters)
-  // KO (KIVI's key_outliers): each channel's block outlier, as its token's place in the tile (a value outside [0, CT):
-  // not in this tile) and its residual against the decoded key (quant/outliers.py).
-  SHARED int sh_ko[KO ? D : 1];
-  SHARED float sh_kd[KO ? D : 1];
+  // KO (KIVI's key_outliers): the tile's block outliers' shares of each score, q_c x residual (quant/outliers.py),
+  // at [r * CT + t]; added by STAGE_STORE, read and set back to zero by phase 2.
+  SHARED float sh_ox[KO ? R * CT : 1];
   SHARED U32 sh_kw[D * KWP + 1];     // the tile's key codes, one row of KW words (KWP apart) per channel
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
@@ -576,6 +575,37 @@ _TILED_BODY = """
   float st_kb[NDK];
   int st_ko[KO ? NDK : 1];
   float st_kd[KO ? NDK : 1];
+// The sine and cosine of a pair's angle at `position`, as MLX's RoPE computes the angle (float32 position x
+// frequency), reduced to [-pi, pi] by whole turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast
+// sine and cosine serve: a full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad.
+#define TURN_AT(position, freq, sn, cs) { \
+    const float angle_ = (position) * (freq); \
+    const float turns_ = RINT(angle_ * 0.159154943091895f); \
+    SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
+// Channel d's block outlier, at token t of the tile being stored (any other t: not in this tile), with its residual:
+// its share of each row's score, q_d x residual, added to sh_ox (two channels may share a token, hence SHARED_ADD).
+// One thread per channel and tile, where phase 1's threads would each test their channels for every run of tokens.
+// Keys before RoPE: the residual is a change of channel d before RoPE, turned with its pair at the token's position
+// (base + t, as phase 1 turns the keys): (e, 0) for the pair's first channel, (0, e) for its second.
+#define OUTLIER_SHARES(d, t, e) { \
+    if ((unsigned)(t) < (unsigned)CT) { \
+      if (ROPE) { \
+        const int j_ = TRAD ? (d) / 2 : (d) % (D / 2); \
+        const int a_ = TRAD ? 2 * j_ : j_; \
+        const int b_ = TRAD ? 2 * j_ + 1 : j_ + D / 2; \
+        float sn_, cs_; \
+        TURN_AT((float)(base + (t)), sh_rf[j_], sn_, cs_); \
+        const float ea_ = ((d) == a_) ? (e) : 0.0f; \
+        const float eb_ = ((d) == a_) ? 0.0f : (e); \
+        const float ra_ = ea_ * cs_ - eb_ * sn_; \
+        const float rb_ = ea_ * sn_ + eb_ * cs_; \
+        for (int r_ = 0; r_ < R; ++r_) \
+          SHARED_ADD(&sh_ox[r_ * CT + (t)], sh_q[a_ * R + r_] * ra_ + sh_q[b_ * R + r_] * rb_); \
+      } else { \
+        for (int r_ = 0; r_ < R; ++r_) SHARED_ADD(&sh_ox[r_ * CT + (t)], sh_q[(d) * R + r_] * (e)); \
+      } \
+    } \
+  }
 #define STAGE_LOAD(at) { \
     const int sb = (at); \
     const int kg = sb / GK; \
@@ -638,10 +668,11 @@ _TILED_BODY = """
         sh_kb[d] = KFOLD ? st_kb[j] - KUP * st_ks[j] : st_kb[j]; \
         sh_ks[d] = KUP * st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (KUP * st_ks[j]); \
-        if (KO) { sh_ko[KO ? d : 0] = st_ko[KO ? j : 0]; sh_kd[KO ? d : 0] = st_kd[KO ? j : 0]; } \
+        if (KO) OUTLIER_SHARES(d, st_ko[KO ? j : 0], st_kd[KO ? j : 0]); \
       } \
     } \
   }
+  if (KO) for (int i = TID; i < R * CT; i += NT) sh_ox[KO ? i : 0] = 0.0f;   // the first tile's barrier orders it
   if (PF && comp_tiles > 0) STAGE_LOAD(c_begin);
 
   for (int tile = 0; tile < all_tiles; ++tile) {
@@ -670,13 +701,6 @@ _TILED_BODY = """
       float acc[TT][R];
       for (int i = 0; i < TT; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
-// The sine and cosine of a pair's angle at `position`, as MLX's RoPE computes the angle (float32 position x
-// frequency), reduced to [-pi, pi] by whole turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast
-// sine and cosine serve: a full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad.
-#define TURN_AT(position, freq, sn, cs) { \
-    const float angle_ = (position) * (freq); \
-    const float turns_ = RINT(angle_ * 0.159154943091895f); \
-    SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
       if (ROPE) {
         // Keys stored before RoPE (KIVI's rope=pre): token t of the tile sits at position base + t (the stream
         // starts at position 0); the thread's DC/2 channel pairs are decoded, turned by position x the pair's
@@ -712,33 +736,6 @@ _TILED_BODY = """
             }
           }
         }
-        if (KO) {
-          // Block outliers among the run's tokens (rare: TT of a block's GK tokens), after the pairs' loop so it
-          // stays as it was: the residual (ea, eb) of a pair's key before RoPE, turned at its position like the key.
-          for (int jj = 0; jj < DP; ++jj) {
-            const int j = slice * DP + jj;
-            const int a = TRAD ? 2 * j : j;
-            const int b = TRAD ? 2 * j + 1 : j + D / 2;
-            const int oa = sh_ko[KO ? a : 0] - run * TT;
-            const int ob = sh_ko[KO ? b : 0] - run * TT;
-            if ((unsigned)oa < (unsigned)TT || (unsigned)ob < (unsigned)TT) {
-              const float freq = sh_rf[j];
-#pragma unroll
-              for (int i = 0; i < TT; ++i) {   // constant i: acc stays in registers
-                if (i == oa || i == ob) {
-                  const float ea = (i == oa) ? sh_kd[KO ? a : 0] : 0.0f;
-                  const float eb = (i == ob) ? sh_kd[KO ? b : 0] : 0.0f;
-                  float sn, cs;
-                  TURN_AT(first + (float)i, freq, sn, cs);
-                  const float ra = ea * cs - eb * sn;
-                  const float rb = ea * sn + eb * cs;
-#pragma unroll
-                  for (int r = 0; r < R; ++r) acc[i][r] += sh_q[a * R + r] * ra + sh_q[b * R + r] * rb;
-                }
-              }
-            }
-          }
-        }
       } else {
 #pragma unroll
         for (int j = 0; j < DC; ++j) {
@@ -752,21 +749,6 @@ _TILED_BODY = """
             const float x = KGRID ? sh_kgrid[(bits >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits, i, KB, one_bits);
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
-          }
-        }
-        if (KO) {
-          // Block outliers among the run's tokens (rare: TT of a block's GK tokens): q_d x the residual.
-          for (int j = 0; j < DC; ++j) {
-            const int d = slice * DC + j;
-            const int o = sh_ko[KO ? d : 0] - run * TT;
-            if ((unsigned)o < (unsigned)TT) {
-              const float delta = sh_kd[KO ? d : 0];
-#pragma unroll
-              for (int i = 0; i < TT; ++i)   // constant i: acc stays in registers
-                if (i == o)
-#pragma unroll
-                  for (int r = 0; r < R; ++r) acc[i][r] += sh_q[d * R + r] * delta;
-            }
           }
         }
       }
@@ -819,6 +801,10 @@ _TILED_BODY = """
         if (CT % 32 == 0 || t < CT) {
           s = qb;
           for (int h = 0; h < parts; ++h) s += sh_s[S_AT(h, r, t)];
+          if (KO && !dense) {   // the block outliers' shares (STAGE_STORE), cleared for the next tile
+            s += sh_ox[KO ? r * CT + t : 0];
+            sh_ox[KO ? r * CT + t : 0] = 0.0f;
+          }
           const int c = base + t;
           const bool ok = dense ? (c < d_count) : (c < c_end && c >= CS);
           s = ok ? s : -1e30f;
@@ -1194,7 +1180,7 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
         + max(parts * part, (nt // (d // 8)) * d)   # sh_s (also the token groups' outputs)
         + ct * r                                    # sh_p
         + 3 * r + 32                                # sh_m, sh_l, sh_corr, the two grids
-        + (2 * d if outliers else 2)                # sh_ko, sh_kd
+        + (r * ct if outliers else 1)               # sh_ox
     )
     return 4 * words
 

@@ -163,6 +163,7 @@ inline float u2f(uint32_t c) {
 #define RINT(x) rintf(x)
 #define FMA(a, b, c) fmaf((a), (b), (c))
 #define ATAN2(y, x) atan2f((y), (x))
+#define SHARED_ADD(p, v) (*(p) += (v))  // fibers switch only at barriers and shuffles: a plain add is atomic here
 """
 
 _PRELUDE = """

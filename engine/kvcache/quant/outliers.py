@@ -26,12 +26,18 @@ def split_block_outliers(array: mx.array, block: int) -> tuple[mx.array, mx.arra
         raise ValueError(f"Blocks of {block} entries do not tile an axis of {array.shape[-1]} with uint8 indices.")
     shape = array.shape
     blocks = array.astype(mx.float32).reshape(*shape[:-1], shape[-1] // block, block)
-    ordered = mx.sort(blocks, axis=-1)
-    take_top = (ordered[..., -1] - ordered[..., -2]) >= (ordered[..., 1] - ordered[..., 0])
-    index = mx.where(take_top, mx.argmax(blocks, axis=-1), mx.argmin(blocks, axis=-1))
-    outlier = mx.take_along_axis(blocks, index[..., None], axis=-1)[..., 0]
-    fill = mx.where(take_top, ordered[..., -2], ordered[..., 1])
-    kept = mx.where(mx.arange(block) == index[..., None], fill[..., None], blocks)
+    # The two largest and two smallest entries by reductions, not a sort: MLX's CUDA sort launches a row of the grid
+    # per block, and a 33k-token chunk of 2 kv heads has more blocks (66k) than a CUDA grid has rows (65,535).
+    positions = mx.arange(block)
+    top_at, low_at = mx.argmax(blocks, axis=-1), mx.argmin(blocks, axis=-1)
+    top, low = mx.max(blocks, axis=-1), mx.min(blocks, axis=-1)
+    below_top = mx.max(mx.where(positions == top_at[..., None], -mx.inf, blocks), axis=-1)
+    above_low = mx.min(mx.where(positions == low_at[..., None], mx.inf, blocks), axis=-1)
+    take_top = (top - below_top) >= (above_low - low)
+    index = mx.where(take_top, top_at, low_at)
+    outlier = mx.where(take_top, top, low)
+    fill = mx.where(take_top, below_top, above_low)
+    kept = mx.where(positions == index[..., None], fill[..., None], blocks)
     return kept.reshape(shape).astype(array.dtype), outlier, index.astype(mx.uint8)
 
 
@@ -47,8 +53,10 @@ def add_block_residuals(array: mx.array, residuals: mx.array, index: mx.array, b
     """`array` (decoded blocks along the last axis) with each block's residual added at its index."""
     shape = array.shape
     blocks = array.reshape(*shape[:-1], shape[-1] // block, block)
-    at = mx.arange(block) == index.astype(mx.int32)[..., None]
-    return (blocks + mx.where(at, residuals.astype(array.dtype)[..., None], 0)).reshape(shape)
+    at = index.astype(mx.int32)[..., None]
+    # One scatter of the blocks' entries (a prefill decodes the whole history: no mask or sum of its size)
+    restored = mx.take_along_axis(blocks, at, axis=-1) + residuals.astype(array.dtype)[..., None]
+    return mx.put_along_axis(blocks, at, restored, axis=-1).reshape(shape)
 
 
 def scatter_block_scores(scores: mx.array, queries: mx.array, residuals: mx.array, index: mx.array,
