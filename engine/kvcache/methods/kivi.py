@@ -95,7 +95,7 @@ block without it: +0.094 bits per value at 128-token blocks. Paid for by symmetr
 level's layout from +3.31 % to +2.78 % on held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10).
 The residual of each outlier against its decoded entry is what is stored, so attention adds q_c·residual to one
 token's score per channel and block: on the reference path one scatter-add after `mx.quantized_matmul`, in the decode
-kernel's tiled pass a rare branch per channel and run of tokens (`kernels/decode.py`, OUTLIER_BACKENDS).
+kernel's tiled pass once per channel and tile as it stages the tile (`kernels/decode.py`, OUTLIER_BACKENDS).
 
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
@@ -445,7 +445,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return "no quantized_matmul reads codes on a grid (key_grid, value_grid): attention decodes them"
         return None
 
-    @classmethod
     @classmethod
     def rotates_values(cls, config: KVCacheConfig) -> bool:
         return bool(config.options.get("rotate_values", False))
