@@ -585,7 +585,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert int(text) == round(100 * pair[True] / pair[False]), (context, text, pair)
     checked.append(rope[0])
 
-    whole = re.search(r"the three levels\s+decode at (\d\.\d\d)–(\d\.\d\d)× of the 16-bit cache's speed at 8k tokens, "
+    whole = re.search(r"the three levels\s+of that run \(the 4- and 2-bit levels and the previous 3-bit level\)\s+decode at (\d\.\d\d)–(\d\.\d\d)× of the 16-bit cache's speed at 8k tokens, "
                       r"(\d\.\d\d)–(\d\.\d\d)× at 32k and (\d\.\d\d)–(\d\.\d\d)× at 131k \(one run,\s+two interleaved "
                       r"rounds: `benchmarks/results/decode-h200.json`", section)
     assert whole, "README no longer quotes the levels' whole-model decode on the GPU"
@@ -599,7 +599,24 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(low, min(ratios)) and close(high, max(ratios)), (context, low, high, ratios)
     checked.append(whole[0])
 
-    two = re.search(r"The 2-bit level \(clip search, rotated values, a tenth of the layers one bit wider\) loses "
+    outliers = re.search(r"keys before RoPE, its needle recall is ([\d.]+) % \(fp16: ([\d.]+) %\) and it decodes at\s+"
+                         r"(\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× of the 16-bit\s+cache at 8k, 32k and 131k "
+                         r"tokens, where the previous 3-bit level ran at (\d\.\d\d)×, (\d\.\d\d)× and "
+                         r"(\d\.\d\d)× in the same run\s+\(`benchmarks/results/decode-outliers-h200.json`\)", section)
+    assert outliers, "README no longer quotes the 3-bit level's needle recall and decode speed on the GPU"
+    use = json.loads((COMMITTED / "quality-use-3bit-outliers-h200.json").read_text())
+    measured3 = "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:wide=0.1"
+    assert KVCacheConfig.parse(measured3 + ":rope=auto") == level_by_key("3").config  # the run measured the level
+    assert close(outliers[1], recall(use, measured3 + ":rope=pre")) and close(outliers[2], recall(use, "fp16"))
+    timed = json.loads((COMMITTED / "decode-outliers-h200.json").read_text())["rows"]
+    for index, context in enumerate((8193, 32769, 131073)):
+        at = {r["spec"].split("#")[0]: r["vs_fp16"] for r in timed if r["context"] == context}
+        mine = [v for spec, v in at.items() if "key_outliers=1" in spec]
+        previous = [v for spec, v in at.items() if spec.startswith("kivi:k3v3:g64:s4:key_block=128:wide=0.1")]
+        assert close(outliers[3 + index], mine[0]) and close(outliers[6 + index], previous[0]), (context, at)
+    checked.append(outliers[0])
+
+    two = re.search(r"The 2-bit level \(clip search, rotated values, a tenth of the\s+layers one bit wider\) loses "
                     r"([+\d.]+) % perplexity\s+on (\d)k-token windows of held-out prose, and ([+\d.]+) % with keys "
                     r"before RoPE, where the 2-bit level it replaced lost\s+([+\d.]+) % and ([+\d.]+) %", section)
     assert two, "README no longer quotes the 2-bit level's held-out figures"

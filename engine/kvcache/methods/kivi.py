@@ -92,7 +92,8 @@ the decode kernel read the codes with biases -h·s derived per use (transient; n
 Option `key_outliers` (0 or 1; default 0) keeps, per key channel and block, the one entry that widens the block's
 range most in 16 bits with an 8-bit index (`quant/outliers.py`: KVQuant's dense-and-sparse split), and quantizes the
 block without it: +0.094 bits per value at 128-token blocks. Paid for by symmetric rotated values it took the 3-bit
-level's layout from +3.31 % to +2.78 % on held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10).
+level's layout from +3.31 % to +2.78 % on two held-out 4k windows at 3.46 bits (BENCHMARKS.md, issue 12's round 10),
+and with them it is the 3-bit level since round 11 (four windows: +3.48 %, KL 0.0314, against +3.68 %, KL 0.0423).
 The residual of each outlier against its decoded entry is what is stored, so attention adds q_c·residual to one
 token's score per channel and block: on the reference path one scatter-add after `mx.quantized_matmul`, in the decode
 kernel's tiled pass once per channel and tile as it stages the tile (`kernels/decode.py`, OUTLIER_BACKENDS).
