@@ -143,8 +143,10 @@ PAIRS = (
     ("kivi 2", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
     ("kivi 2, key grid", Codec("kivi_keys", 2, grid=True), Codec("affine", 2), 64, 128),
     ("kivi 4, keys before RoPE", Codec("kivi_keys", 4), Codec("affine", 4), 64, -128),  # key block < 0: ROPE
-    ("kivi 3, key outliers", Codec("kivi_keys", 3, outliers=True), Codec("affine", 3), 64, 128),
-    ("kivi 3, key outliers before RoPE", Codec("kivi_keys", 3, outliers=True), Codec("affine", 3), 64, -128),
+    ("kivi 3, key outliers, scale-only values", Codec("kivi_keys", 3, outliers=True), Codec("affine", 3, symmetric=True),
+     64, 128),
+    ("kivi 3, key outliers before RoPE (3-bit level)", Codec("kivi_keys", 3, outliers=True),
+     Codec("affine", 3, symmetric=True), 64, -128),
     ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
     ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
@@ -160,7 +162,7 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.bits),
                 ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1), ("TT", TILED_RUN),
-                ("ROPE", int(rope)), ("TRAD", 0), ("KO", int(key.outliers)), ("CS", 4), ("NS", 4), ("HW", 1),
+                ("ROPE", int(rope)), ("TRAD", 0), ("KO", int(key.outliers)), ("VSYM", int(value.symmetric)), ("CS", 4), ("NS", 4), ("HW", 1),
                 ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
              "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",

@@ -608,3 +608,38 @@ def test_key_outliers_wait_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPat
     assert "parity" in VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 4)
     monkeypatch.setattr(decode, "OUTLIER_BACKENDS", (EMULATE,))
     assert VeloxKIVIKVCache._rope_kernel_declines(config, rope, 128, 4) is None
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("spec", ["kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true",
+                                  "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1"])
+def test_a_decode_plan_kept_while_blocks_are_appended_reads_them(spec: str, tiled: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode plan lives as long as the store's buffers (blocks are appended into spare capacity in place), so it
+    must hold the store's own arrays, never ones derived from them when it was built: with scale-only values the
+    kernel derives each bias from the scales (a plan holding biases derived at its first step read zero scales for
+    every block appended after it, an error of ~0.07 here)."""
+    from engine.kvcache.kernels import decode
+
+    if not tiled:
+        if "key_outliers" in spec:
+            pytest.skip("only the tiled pass adds key outliers")
+        monkeypatch.setattr(decode, "TILED", False)
+    config = replace(KVCacheConfig.parse(spec), options={**KVCacheConfig.parse(spec).options, "kernels": "require"})
+    cache = KVCacheBuilder(config).for_shape(ModelShape(n_layers=1, n_heads=4 * N_KV, n_kv_heads=N_KV,
+                                                        head_dim=128)).build()[0]
+    rng = np.random.default_rng(3)
+    cache.update_and_fetch(mx.array(rng.standard_normal((1, N_KV, 1200, 128), dtype=np.float32)),
+                           mx.array(rng.standard_normal((1, N_KV, 1200, 128), dtype=np.float32)))
+    assert cache.capacity >= cache.n_compressed + 128  # room for the next block: it is appended in place
+    queries = mx.array(rng.standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
+    cache.attention(queries, None, None, scale=0.088, mask=None)
+    store, plan = cache._store, cache._decode_plan(4)
+    for _ in range(200):
+        cache.update_and_fetch(mx.array(rng.standard_normal((1, N_KV, 1, 128), dtype=np.float32)),
+                               mx.array(rng.standard_normal((1, N_KV, 1, 128), dtype=np.float32)))
+    out = cache.attention(queries, None, None, scale=0.088, mask=None)
+    assert cache._store is store and cache._decode_plan(4) is plan  # the same plan served both steps
+    ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-3

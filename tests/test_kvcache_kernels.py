@@ -34,6 +34,7 @@ from tests.kvcache_helpers import filled_then_stepped
 CODEC_PAIRS = (
     *[(Codec("affine", b), Codec("affine", b)) for b in (2, 3, 4, 5, 6, 8)],
     *[(Codec("kivi_keys", b), Codec("affine", b)) for b in (2, 3, 4, 8)],
+    *[(Codec("kivi_keys", b), Codec("affine", b, symmetric=True)) for b in (3, 4)],  # symmetric_values
     *[(Codec("codebook", b), Codec("codebook", b)) for b in (1, 2, 3, 4)],
     *[(Codec("rvq", (b + 1) // 2, b // 2), Codec("rvq", (b + 1) // 2, b // 2)) for b in (2, 3, 4)],
     *[(Codec("prod", b - 1), Codec("codebook", b)) for b in (2, 3, 4)],  # turboquant_prod
@@ -176,6 +177,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                 {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4,
                                  "KGRID": 1 - outliers, "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "KO": outliers,
+                                 "VSYM": outliers,
                                  "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1, "TD": mx.bfloat16}))
     for key, value in pairs:
         if key.kind != "kivi_keys":

@@ -69,7 +69,8 @@ UNROLL = 2
 # input prefix (k or v) and `BITS`/`BITS2` the code widths; `bh` and `lane` are the body's variables.
 _CODEC_MACROS = {
     # Per-token groups of G channels (MLX affine quantization): codes [B,H,cap,D·bits/32], scales and
-    # biases [B,H,cap,D/G]. x = scale·code + bias.
+    # biases [B,H,cap,D/G]. x = scale·code + bias; a symmetric codec (SYM: KIVI's symmetric_values) holds no biases
+    # (the third array is a placeholder) and takes -h·s, h = (2^bits - 1)/2.
     "affine": """
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
@@ -77,7 +78,7 @@ _CODEC_MACROS = {
   unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
   const long g_ = row_ * {P}1_shape[3] + (lane * 8) / G; \\
   const float s_ = (float){P}1[g_]; \\
-  const float b_ = (float){P}2[g_]; \\
+  const float b_ = {SYM} ? -0.5f * (float)((1u << {BITS}) - 1u) * s_ : (float){P}2[g_]; \\
   for (int i_ = 0; i_ < 8; ++i_) out[i_] = s_ * U2F(c_[i_]) + b_; \\
   mul = 1.0f; }}
 """,
@@ -636,7 +637,9 @@ _TILED_BODY = """
       const long c = (sb + i / VG < c_end) ? sb + i / VG : c_begin; \
       if (FULL_VG || i < CT * VG) { \
         st_vs[j] = (float)v1[((long)bh * cap + c) * v_groups + i % VG]; \
-        st_vb[j] = (float)v2[((long)bh * cap + c) * v_groups + i % VG]; \
+        /* VSYM (scale-only values, KIVI's symmetric_values): the bias is -h·s, h = (2^VB - 1)/2, from the scale */ \
+        st_vb[j] = VSYM ? -0.5f * (float)((1u << VB) - 1u) * st_vs[j] \
+                        : (float)v2[((long)bh * cap + c) * v_groups + i % VG]; \
       } \
     } \
     for (int j = 0; j < NDK; ++j) { \
@@ -994,6 +997,10 @@ class Codec:
     # KIVI keys with one 16-bit outlier per channel and key block (option key_outliers): the role's arrays end with
     # their residuals (float16) and indices (uint8), [B, H, D, blocks]; only the tiled pass reads them.
     outliers: bool = False
+    # Affine codes with one scale per group and no bias (KIVI's symmetric_values): x = s·(code - (2^bits - 1)/2). The
+    # role's arrays are codes, scales, and a placeholder where the biases would be (read by neither pass): the kernel
+    # derives each bias from the cache's own scales, so nothing derived is held between steps.
+    symmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _CODEC_MACROS:
@@ -1002,6 +1009,8 @@ class Codec:
             raise ValueError("A polar codec needs its levels (at least 3: 8 channels a lane); no other codec has any.")
         if self.outliers and (self.kind != "kivi_keys" or self.grid):
             raise ValueError("Only KIVI keys without a grid have block outliers.")
+        if self.symmetric and (self.kind != "affine" or self.grid):
+            raise ValueError("Only affine codes without a grid are symmetric.")
 
     @property
     def slots(self) -> int:
@@ -1012,7 +1021,8 @@ class Codec:
         prefix = "k" if role == "KEY" else "v"
         if self.kind == "polar":
             return _polar_macro(role, prefix, self.bits, self.bits2, self.levels)
-        return _CODEC_MACROS[self.kind].format(ROLE=role, P=prefix, BITS=self.bits, BITS2=self.bits2)
+        return _CODEC_MACROS[self.kind].format(ROLE=role, P=prefix, BITS=self.bits, BITS2=self.bits2,
+                                               SYM=int(self.symmetric))
 
     @property
     def supported(self) -> bool:
@@ -1081,7 +1091,8 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
         "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
     )
     name = (f"velox_decode_{key.kind}{key.bits}_{key.bits2}{'_l' + str(key.levels) if key.levels else ''}_"
-            f"{value.kind}{value.bits}_{value.bits2}{'_l' + str(value.levels) if value.levels else ''}")
+            f"{value.kind}{value.bits}_{value.bits2}{'_l' + str(value.levels) if value.levels else ''}"
+            f"{'_sym' if value.symmetric else ''}")
     staged = "" if key.kind == "kivi_keys" else _UNSTAGED_KEYS
     return KernelSource(
         name=name,
@@ -1367,7 +1378,7 @@ def plan_decode(
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
                     ("TT", TILED_RUN),
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
-                    ("KO", int(key_codec.outliers)))
+                    ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)))
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
         # keys' block outliers (placeholders without)
         arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),

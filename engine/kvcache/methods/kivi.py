@@ -86,8 +86,8 @@ windows), +1.19% -> +0.70% on 4k windows; the wide 3-bit level with rotated valu
 Option `symmetric_values` (true/false; default false) quantizes each value group as s·(code - h), h = (2^b - 1)/2,
 s = max|x| / h: one 16-bit scale per group and no bias (0.25 bits per value less at 64-channel groups). Rotated
 values (`rotate_values`) are close to zero-mean per group, which is what a grid centred on zero needs; unrotated
-they are not, and it loses (held out, 2k windows: +5.46 % against the 3-bit level's +3.40 %). MLX's affine ops and
-the decode kernel read the codes with biases -h·s derived per use (transient; not held).
+they are not, and it loses (held out, 2k windows: +5.46 % against the 3-bit level's +3.40 %). MLX's affine ops read
+the codes with biases -h·s derived per use (transient; not held); the decode kernel derives them from the scales.
 
 Option `key_outliers` (0 or 1; default 0) keeps, per key channel and block, the one entry that widens the block's
 range most in 16 bits with an 8-bit index (`quant/outliers.py`: KVQuant's dense-and-sparse split), and quantizes the
@@ -633,8 +633,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
-        store = self._readable(self._store)
+        # The store's own arrays, never derived ones: the plan that holds them lives while blocks are appended in place
+        # (symmetric values: the kernel derives each bias from the scales; the placeholder where the biases would be
+        # is never read, see Codec.symmetric).
+        store = self._store
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
+        symmetric = bool(self.config.options.get("symmetric_values", False))
         # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
         outliers = "key_outlier_residuals" in store
         return (
@@ -642,8 +646,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             [store["key_codes"], store["key_scales"], store["key_biases"],
              *([] if key_grid is None else [grid_table(key_grid, "key", self.config.key_bits)]),
              *([store["key_outlier_residuals"], store["key_outlier_index"]] if outliers else [])],
-            Codec("affine", self.config.value_bits, grid=value_grid is not None),
-            [store["value_codes"], store["value_scales"], store["value_biases"],
+            Codec("affine", self.config.value_bits, grid=value_grid is not None, symmetric=symmetric),
+            [store["value_codes"], store["value_scales"], store["value_scales" if symmetric else "value_biases"],
              *([] if value_grid is None else [grid_table(value_grid, "value", self.config.value_bits)])],
         )
 
