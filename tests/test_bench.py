@@ -602,13 +602,13 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     outliers = re.search(r"keys before RoPE, its needle recall is ([\d.]+) % \(fp16: ([\d.]+) %\) and it decodes at\s+"
                          r"(\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× of the 16-bit\s+cache at 8k, 32k and 131k "
                          r"tokens, where the previous 3-bit level ran at (\d\.\d\d)×, (\d\.\d\d)× and "
-                         r"(\d\.\d\d)× in the same run\s+\(`benchmarks/results/decode-outliers-h200.json`\)", section)
+                         r"(\d\.\d\d)× in the same run\s+\(`benchmarks/results/decode-3bit-level-h200.json`\)", section)
     assert outliers, "README no longer quotes the 3-bit level's needle recall and decode speed on the GPU"
     use = json.loads((COMMITTED / "quality-use-3bit-outliers-h200.json").read_text())
     measured3 = "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:wide=0.1"
     assert KVCacheConfig.parse(measured3 + ":rope=auto") == level_by_key("3").config  # the run measured the level
     assert close(outliers[1], recall(use, measured3 + ":rope=pre")) and close(outliers[2], recall(use, "fp16"))
-    timed = json.loads((COMMITTED / "decode-outliers-h200.json").read_text())["rows"]
+    timed = json.loads((COMMITTED / "decode-3bit-level-h200.json").read_text())["rows"]
     for index, context in enumerate((8193, 32769, 131073)):
         at = {r["spec"].split("#")[0]: r["vs_fp16"] for r in timed if r["context"] == context}
         mine = [v for spec, v in at.items() if "key_outliers=1" in spec]

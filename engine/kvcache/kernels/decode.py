@@ -1120,8 +1120,9 @@ ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # (tests/test_kvcache_kernels.py::test_decode_kernel_adds_key_outliers: keys as given and before RoPE, traditional or
 # not, 1,000 to 33,000 tokens; 2026-12-02, commit 0ffe363, kernel-parity-outliers-h200.log), where the 3-bit candidate
 # of issue 12 decoded at 0.88x/0.76x/0.64x of fp16 at 8k/32k/131k against 0.95x/0.76x/0.71x for the same cache without
-# outliers (benchmarks/results/decode-outliers-h200.json). Metal runs the same body; its only text of its own is the
-# prelude's SHARED_ADD (a compare-and-swap loop): enabled by construction, as every kernel here.
+# outliers (benchmarks/results/decode-outliers-h200.json); rerun with scale-only values read from the store's own
+# scales (Codec.symmetric; commit b1a19da, 26 passed, kernel-parity-symmetric-h200.log). Metal runs the same body; its
+# only text of its own is the prelude's SHARED_ADD (a compare-and-swap loop): enabled by construction, as every kernel.
 OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
