@@ -93,7 +93,7 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # KL 0.0314, against +3.68% (±0.41), KL 0.0423 for the replaced level (near_lossless_3bit_outliers_heldout4.json:
     # above issue 12's +3% target); decode 0.84x/0.79x/0.64x of fp16 at 8k/32k/131k against the replaced level's
     # 0.86x/0.84x/0.70x in the same run (decode-3bit-level-h200.json). BENCHMARKS.md, round 11.
-    ("3", "3-bit", "kivi:k3v3:g64:s4:key_block=128:rope=auto:rotate_values=true:symmetric_values=true:key_outliers=1:"
+    ("3", "3-bit", "kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rope=auto:rotate_values=true:symmetric_values=true:"
      "wide=0.1", "noticeable quality loss",
      "ppl +5.54% (±0.68) KL 0.0479 top1 87.2% (4094 scored tokens); needle -23.8 points vs fp16 (80 trials); "
      "greedy match not measured"),
