@@ -441,8 +441,10 @@ _ATTEND_BODY = """
 # benchmarks/results/kernel-instructions.json). At TILED_TARGET_GROUPS threadgroups (~2 per multiprocessor of an
 # H200) registers limit nothing: the grid sets the occupancy.
 # Template ints as above plus KB, VB (key and value bits), PF (1: each tile loaded during the previous tile's
-# phases) and TT (phase 1's tokens per thread); CT divides GK and NT, NT/CT threads share a 16-bit token in phase 1,
-# and NSG = NT / (D/8) token groups share the tile in phase 3.
+# phases), TT (phase 1's tokens per thread), KGRID/VGRID (codes on a grid), ROPE/TRAD (keys stored before RoPE), KO
+# (1: each key block's outlier share added to its token's score, KIVI's key_outliers) and VSYM (1: values with a
+# scale and no bias, each bias derived from its scale); CT divides GK and NT, NT/CT threads share a 16-bit token in
+# phase 1, and NSG = NT / (D/8) token groups share the tile in phase 3.
 _TILED_BODY = """
   constexpr int TPT = D / 8;           // phase 3: lanes per token (8 channels each)
   constexpr int NSG = NT / TPT;        // phase 3: token groups
@@ -1197,7 +1199,7 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
         + max(parts * part, (nt // (d // 8)) * d)   # sh_s (also the token groups' outputs)
         + ct * r                                    # sh_p
         + 3 * r + 32                                # sh_m, sh_l, sh_corr, the two grids
-        + (r * ct if outliers else 1)               # sh_ox
+        + (r * ct if outliers else 0)               # sh_ox (declared with 1 element without KO, never read)
     )
     return 4 * words
 
