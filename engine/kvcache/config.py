@@ -28,7 +28,7 @@ Method options in use (each method's `check_config` says which it reads):
       symmetric_values=true      kivi: each value group as s·(code - h), one scale and no bias (for rotated
                                  values), e.g. kivi:k3v3:g64:rotate_values=true:symmetric_values=true
       key_outliers=1             kivi: per key channel and block, the entry that widens its range most kept
-                                 in 16 bits with its index (attention then decodes the keys: no kernel yet)
+                                 aside in 16 bits (its residual) with its index; the 3-bit level uses both
       values=NAME                qjl: the partner method that stores the values (affine), e.g.
                                  qjl:k4v4:g64:values=affine
       codebooks=DIR              vq: the folder `velox precompute` wrote, e.g. vq:k2v2:codebooks=/data/cb
