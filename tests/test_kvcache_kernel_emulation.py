@@ -76,17 +76,20 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(turboquant, "available_backend", lambda: EMULATE)
 
 
-def _filled(spec: str, tokens: int, head_dim: int, rows: int, seed: int):
+def _filled(spec: str, tokens: int, head_dim: int, rows: int, seed: int, spiked: bool = False):
     """A one-layer cache of `spec` (kernels required) holding `tokens` random tokens: an untidy chunk, then
-    token by token, as a prefill and decode steps would fill it."""
+    token by token, as a prefill and decode steps would fill it. `spiked`: 1 % of the key entries 12 larger or
+    smaller, so each block's outlier (KIVI's key_outliers) weighs in the scores."""
     config = KVCacheConfig.parse(spec)
     config = replace(config, options={**config.options, "kernels": "require"})
     shape = ModelShape(n_layers=1, n_heads=rows * N_KV, n_kv_heads=N_KV, head_dim=head_dim)
     cache = KVCacheBuilder(config).for_shape(shape).build()[0]
     rng = np.random.default_rng(seed)
-    keys = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
-    values = mx.array(rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32))
-    return filled_then_stepped(cache, keys, values)
+    keys = rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32)
+    if spiked:
+        keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
+    values = rng.standard_normal((1, N_KV, tokens, head_dim), dtype=np.float32)
+    return filled_then_stepped(cache, mx.array(keys), mx.array(values))
 
 
 def _reference_of(cache):
@@ -94,6 +97,25 @@ def _reference_of(cache):
     reference = copy.copy(cache)
     reference.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
     return reference
+
+
+def _attend_both(cache, tokens: int, rows: int):
+    """One query token's attention (head_dim 128, `rows` query heads per kv head, seeded by `tokens`) through the
+    decode kernel and through the reference path over the same arrays, checked to agree within 2e-3; at 1,200 tokens
+    the work must span several splits. Returns (the plan, the queries, the reference cache, its output)."""
+    from engine.kvcache.kernels import decode
+
+    queries = mx.array(np.random.default_rng(tokens).standard_normal((1, rows * N_KV, 1, 128), dtype=np.float32))
+    out = cache.attention(queries, None, None, scale=0.088, mask=None)
+    reference = _reference_of(cache)
+    ref = reference.attention(queries, None, None, scale=0.088, mask=None)
+    plan = cache._decode_plan(rows)
+    assert plan is not None
+    if tokens == 1200:
+        assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
+    error = float(mx.max(mx.abs(out - ref)))
+    assert error <= 2e-3, (str(cache.config), tokens, error)
+    return plan, queries, reference, ref
 
 
 @pytest.mark.usefixtures("emulated")
@@ -164,18 +186,9 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
         monkeypatch.setattr(decode, "TILED_PREFETCH", prefetch)
         monkeypatch.setattr(decode, "TILED_MAX_TILE", max_tile)
         for tokens in (200, 301, 1200):  # past the first 128-token key block; 1200: several splits to merge
-            cache = _filled(spec, tokens, 128, 4, seed=tokens)
-            queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
-            out = cache.attention(queries, None, None, scale=0.088, mask=None)
-            ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
-            plan = cache._decode_plan(4)
-            assert plan is not None
+            plan, *_ = _attend_both(_filled(spec, tokens, 128, 4, seed=tokens), tokens, 4)
             assert (("KB", 4 if "k4" in spec else 3) if tiled else ("U", decode.UNROLL)) in plan.template
             assert not tiled or ("PF", int(prefetch)) in plan.template
-            if tokens == 1200:
-                assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
-            error = float(mx.max(mx.abs(out - ref)))
-            assert error <= 2e-3, (spec, tiled, prefetch, max_tile, tokens, error)
 
 
 ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_traditional={}"
@@ -193,20 +206,10 @@ def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str) 
     """KIVI's rope=pre: the tiled pass decodes each key pair and turns it by its position (ROPE = 1) and matches
     the reference path, which decodes the keys and applies mx.fast.rope; positions run past several key blocks
     and splits (1,200 tokens)."""
-    from engine.kvcache.kernels import decode
-
     for tokens in (200, 301, 1200):
-        cache = _filled(spec, tokens, 128, 4, seed=tokens)
-        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
-        out = cache.attention(queries, None, None, scale=0.088, mask=None)
-        ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
-        plan = cache._decode_plan(4)
-        assert plan is not None and ("ROPE", 1) in plan.template
+        plan, *_ = _attend_both(_filled(spec, tokens, 128, 4, seed=tokens), tokens, 4)
+        assert ("ROPE", 1) in plan.template
         assert ("TRAD", int("traditional=true" in spec)) in plan.template
-        if tokens == 1200:
-            assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
-        error = float(mx.max(mx.abs(out - ref)))
-        assert error <= 2e-3, (spec, tokens, error)
 
 
 @pytest.mark.usefixtures("emulated")
@@ -474,15 +477,9 @@ def test_tiled_pass_with_eight_query_rows_per_kv_head(spec: str) -> None:
     from engine.kvcache.kernels import decode
 
     for tokens in (150, 700):
-        cache = _filled(spec, tokens, 128, 8, seed=tokens)
-        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 8 * N_KV, 1, 128), dtype=np.float32))
-        out = cache.attention(queries, None, None, scale=0.088, mask=None)
-        ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
-        plan = cache._decode_plan(8)
-        assert plan is not None and ("CT", 64 if "k4" in spec else 32) in plan.template
+        plan, *_ = _attend_both(_filled(spec, tokens, 128, 8, seed=tokens), tokens, 8)
+        assert ("CT", 64 if "k4" in spec else 32) in plan.template
         assert ("R", 8) in plan.template
-        error = float(mx.max(mx.abs(out - ref)))
-        assert error <= 2e-3, (spec, tokens, error)
     assert decode.TILED
 
 
@@ -542,20 +539,6 @@ OUTLIER_SPECS = (
 )
 
 
-def _spiked(spec: str, tokens: int, rows: int, seed: int):
-    """A cache of `spec` (kernels required, head_dim 128) holding random keys with a few large entries, so each
-    block's outlier weighs in the scores."""
-    config = KVCacheConfig.parse(spec)
-    config = replace(config, options={**config.options, "kernels": "require"})
-    shape = ModelShape(n_layers=1, n_heads=rows * N_KV, n_kv_heads=N_KV, head_dim=128)
-    cache = KVCacheBuilder(config).for_shape(shape).build()[0]
-    rng = np.random.default_rng(seed)
-    keys = rng.standard_normal((1, N_KV, tokens, 128), dtype=np.float32)
-    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
-    values = rng.standard_normal((1, N_KV, tokens, 128), dtype=np.float32)
-    return filled_then_stepped(cache, mx.array(keys), mx.array(values))
-
-
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", OUTLIER_SPECS)
 def test_tiled_pass_adds_key_outliers_like_the_reference(spec: str) -> None:
@@ -563,21 +546,10 @@ def test_tiled_pass_adds_key_outliers_like_the_reference(spec: str) -> None:
     RoPE: the residual turned at its position) and matches the reference path, which adds them after
     quantized_matmul (or decodes the keys, before RoPE); the shares matter here (without them the reference moves
     well past the tolerance), over several key blocks, tiles and splits."""
-    from engine.kvcache.kernels import decode
-
     for tokens in (200, 301, 1200):
-        cache = _spiked(spec, tokens, 4, seed=tokens)
-        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
-        out = cache.attention(queries, None, None, scale=0.088, mask=None)
-        reference = _reference_of(cache)
-        ref = reference.attention(queries, None, None, scale=0.088, mask=None)
-        plan = cache._decode_plan(4)
-        assert plan is not None and ("KO", 1) in plan.template
+        plan, queries, reference, ref = _attend_both(_filled(spec, tokens, 128, 4, seed=tokens, spiked=True), tokens, 4)
+        assert ("KO", 1) in plan.template
         assert ("ROPE", int("rope=pre" in spec)) in plan.template
-        if tokens == 1200:
-            assert decode.split_count(cache._n_compressed, N_KV, plan.tile, plan.target_groups) > 1
-        error = float(mx.max(mx.abs(out - ref)))
-        assert error <= 2e-3, (spec, tokens, error)
         # The same cache with every residual zero: the outliers' shares are what the kernel matched
         assert reference._store is not None
         reference._store = {**reference._store,
@@ -596,7 +568,7 @@ def test_key_outliers_wait_for_parity_on_a_backend(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(decode, "OUTLIER_BACKENDS", ())
     for spec in OUTLIER_SPECS[:2]:
-        cache = _spiked(spec, 300, 4, seed=1)
+        cache = _filled(spec, 300, 128, 4, seed=1, spiked=True)
         queries = mx.zeros((1, 4 * N_KV, 1, 128))
         with pytest.raises(ConfigError, match="key outliers .* parity"):
             cache.attention(queries, None, None, scale=0.088, mask=None)
