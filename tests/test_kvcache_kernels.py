@@ -275,16 +275,19 @@ def test_sketched_keys_wait_for_their_parity_run_and_fit_the_threadgroup() -> No
 
 def _filled(method: str, bits: int, group: int, window: int, sinks: int, tokens: int, mode: str,
             head_dim: int = 64, n_kv: int = 2, dtype: mx.Dtype = mx.float32, seed: int = 0,
-            options: dict | None = None):
-    """A one-layer cache of `tokens` random tokens, filled in an untidy chunk and then token by token."""
+            options: dict | None = None, spiked: bool = False):
+    """A one-layer cache of `tokens` random tokens, filled in an untidy chunk and then token by token. `spiked`: 1 %
+    of the key entries 12 larger or smaller, so each block's outlier (KIVI's key_outliers) weighs in the scores."""
     config = KVCacheConfig(method=method, key_bits=bits, group_size=group, residual_window=window,
                            sink_tokens=sinks, options={**(options or {}), "kernels": mode})
     shape = ModelShape(n_layers=1, n_heads=4 * n_kv, n_kv_heads=n_kv, head_dim=head_dim)
     cache = KVCacheBuilder(config).for_shape(shape).build()[0]
     rng = np.random.default_rng(seed)
-    keys = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
-    values = mx.array(rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)).astype(dtype)
-    return filled_then_stepped(cache, keys, values)
+    keys = rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)
+    if spiked:
+        keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
+    values = rng.standard_normal((1, n_kv, tokens, head_dim), dtype=np.float32)
+    return filled_then_stepped(cache, mx.array(keys).astype(dtype), mx.array(values).astype(dtype))
 
 
 def _error_against_cpu_reference(fused, n_kv: int, repeats: int, head_dim: int, seed: int) -> float:
@@ -410,15 +413,8 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
     if rope != "none":
         options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
                     "rope_traditional": rope == "pre-traditional"}
-    config = KVCacheConfig(method="kivi", key_bits=3, group_size=64, sink_tokens=4,
-                           options={**options, "kernels": "require"})
-    shape = ModelShape(n_layers=1, n_heads=8, n_kv_heads=2, head_dim=128)
-    fused = KVCacheBuilder(config).for_shape(shape).build()[0]
-    rng = np.random.default_rng(tokens)
-    keys = rng.standard_normal((1, 2, tokens, 128), dtype=np.float32)
-    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-12.0, 12.0], size=keys.shape).astype(np.float32)
-    values = rng.standard_normal((1, 2, tokens, 128), dtype=np.float32)
-    fused = filled_then_stepped(fused, mx.array(keys).astype(mx.bfloat16), mx.array(values).astype(mx.bfloat16))
+    fused = _filled("kivi", 3, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
+                    spiked=True)
     plan = fused._decode_plan(4)
     assert plan is not None and ("KO", 1) in plan.template and ("ROPE", int(rope != "none")) in plan.template
     queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
