@@ -347,13 +347,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
         if rope.dims != head_dim:
             return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
-        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None,
-                    outliers=bool(config.options.get("key_outliers", 0)))
+        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
             return (f"only the tiled decode pass turns keys stored before RoPE, and it has no tile for {rows} query "
                     f"heads per kv head in this layout")
-        return cls._outlier_kernel_declines(config, head_dim, rows)
+        return cls._outlier_kernel_declines(config, head_dim, rows)  # the outliers' own tile and backend
 
     @classmethod
     def resolve_for_model(cls, config: KVCacheConfig, model: Any) -> KVCacheConfig:

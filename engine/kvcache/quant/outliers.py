@@ -13,6 +13,8 @@ the entries and costs 16 + 8 bits per block.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 OUTLIER_INDEX_BITS = 8  # a uint8 index within a block (blocks of at most 256 entries)
@@ -68,11 +70,8 @@ def scatter_block_scores(scores: mx.array, queries: mx.array, residuals: mx.arra
     channels, blocks = residuals.shape[-2:]
     shares = queries.astype(mx.float32)[..., :, :, None] * residuals.astype(mx.float32)[..., None, :, :]
     position = index.astype(mx.int32) + mx.arange(blocks, dtype=mx.int32) * block             # [..., D, nb]
-    lead_count = 1
-    for size in lead:
-        lead_count *= size
     # flat index of (lead, row, position) in scores [lead·R·T]
-    base = (mx.arange(lead_count * rows, dtype=mx.int32) * tokens).reshape(*lead, rows, 1, 1)
+    base = (mx.arange(math.prod(lead) * rows, dtype=mx.int32) * tokens).reshape(*lead, rows, 1, 1)
     flat = (base + position.reshape(*lead, 1, channels, blocks)).reshape(-1)
     out = scores.astype(mx.float32).reshape(-1).at[flat].add(shares.reshape(-1))
     return out.reshape(scores.shape)
