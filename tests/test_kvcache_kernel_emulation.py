@@ -372,14 +372,62 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec,head_dim", [
+    ("kivi:k4v4:g64", 64), ("kivi:k2v2:g32:w5:s2", 128), ("kivi:k3v3:g64:s4:key_block=128", 128),
+    ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true", 128),
+    (f"kivi:k4v4:g64:s4:key_block=128:rotate_values=true:{ROPE_SPEC.format('false')}", 128),
+    (f"kivi:k3v3:g64:s4:key_block=128:key_outliers=1:symmetric_values=true:{ROPE_SPEC.format('false')}", 128),
+    (f"kivi:k6v6:g32:w3:s1:key_outliers=1:{ROPE_SPEC.format('true')}", 128)])
+def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's history decoded in one launch (keys per channel block, their outliers, keys before RoPE turned by
+    position; values with or without biases) equals the reference decode within float32 rounding and the sines'
+    (MLX's RoPE against the kernel's reduced angle) and the 16-bit dtype it is written in, and a prefill chunk's
+    attention through the cache takes it."""
+    launches = []
+    real = kernels.dequantize_history
+    monkeypatch.setattr(kernels, "dequantize_history", lambda *a, **k: launches.append(a[4]) or real(*a, **k))
+    for tokens in (200, 1100):
+        cache = _filled(spec, tokens, head_dim, 2, seed=tokens, spiked="key_outliers" in spec)
+        reference = _reference_of(cache)
+        store = cache._compressed_view()
+        for dtype in (mx.float32, mx.bfloat16):
+            got = cache._decoded_history(store, dtype)
+            want = reference._decoded_history(store, dtype)
+            for out, ref in zip(got, want, strict=True):
+                assert out.shape == ref.shape == (1, N_KV, cache.n_compressed, head_dim)
+                assert out.dtype == ref.dtype == dtype
+                ref32 = ref.astype(mx.float32)
+                # Keys before RoPE: the kernel's angle is position x each pair's angle at position 1 read back from
+                # MLX's RoPE (as the decode pass turns them), ~1e-7 rad off per position: an error relative to the
+                # pair's size (~1 here), not to a small turned component
+                floor = 1.0 if "rope=pre" in spec else 1e-2
+                error = mx.abs(out.astype(mx.float32) - ref32) / (mx.abs(ref32) + floor)
+                # the kernel writes the cache's 16-bit dtype (as every history decode), the reference float32: one
+                # 16-bit unit, and for bfloat16 the second rounding
+                assert float(mx.max(error)) <= (2**-10 if dtype == mx.float32 else 2**-7), (spec, tokens, dtype)
+        assert launches[-1] == cache.n_compressed
+        queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 2 * N_KV, 40, head_dim),
+                                                                            dtype=np.float32))
+        before = len(launches)
+        out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask="causal")
+        assert len(launches) == before + 1, "a prefill chunk did not decode the history with the kernel"
+        ref = reference.attention(queries, None, None, scale=head_dim**-0.5, mask="causal")
+        assert float(mx.max(mx.abs(out - ref))) <= 2e-3, spec
+
+
+@pytest.mark.usefixtures("emulated")
 def test_history_decode_kernel_is_left_to_methods_it_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.kvcache.kernels import decode
 
     keys = mx.array(np.random.default_rng(0).standard_normal((1, N_KV, 200, 64), dtype=np.float32))
-    assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_launch() is None  # KIVI keys are staged
+    assert _fed("kivi:k4v4:g64", "require", keys, keys)._dequantize_launch()[0] == EMULATE
+    assert _fed("kivi:k4v4:g64:key_grid=lloyd", "auto", keys, keys)._dequantize_launch() is None  # grids: no kernel
     assert _fed("turboquant:k4v4:g64", "off", keys, keys)._dequantize_launch() is None
     assert _fed("turboquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
     assert _fed("qjl:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
+    monkeypatch.setattr(kernels.dequantize, "KIVI_BACKENDS", ())  # a backend where KIVI's has not passed parity
+    assert _fed("kivi:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None
     assert _fed("polarquant:k4v4:g64", "auto", keys, keys)._dequantize_launch()[0] == EMULATE
     monkeypatch.setattr(decode, "POLAR_BACKENDS", ())  # a backend where the polar codec has not passed parity
     assert _fed("polarquant:k4v4:g64", "auto", keys, keys)._dequantize_launch() is None

@@ -46,7 +46,7 @@ CODEC_PAIRS = (
 ALL_SOURCES = (
     MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
-    *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind not in ("kivi_keys", "prod", "qjl")),
+    *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind not in ("prod", "qjl")),
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -179,6 +179,14 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                  "KGRID": 1 - outliers, "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "KO": outliers,
                                  "VSYM": outliers,
                                  "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1, "TD": mx.bfloat16}))
+    for symmetric in (0, 1):  # KIVI's history decode: keys before RoPE with block outliers; values with(out) biases
+        value = Codec("affine", 3, symmetric=bool(symmetric))
+        dtypes = {"k0": mx.uint32, "k1": mx.bfloat16, "k2": mx.bfloat16, "kout": mx.float16, "kidx": mx.uint8,
+                  "rfreq": mx.float32, "v0": mx.uint32, "v1": mx.bfloat16, "v2": mx.bfloat16, "n_comp_r": mx.uint8}
+        units.append(_cuda_unit(dequantize_source(Codec("kivi_keys", 3, outliers=True), value), dtypes,
+                                {"keys": mx.bfloat16, "values": mx.bfloat16},
+                                {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16, "GK": 128, "KB": 3, "ROPE": 1,
+                                 "TRAD": 0, "KO": 1}))
     for key, value in pairs:
         if key.kind != "kivi_keys":
             dtypes = {name: dtype for name, dtype in _attend_dtypes(key, value).items() if name[0] in "kv" and name[1:].isdigit()}
@@ -457,6 +465,49 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
             assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
             error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)) / (mx.abs(ref.astype(mx.float32)) + 1e-3)
             assert float(mx.max(error)) <= (1e-6 if method in ("turboquant", "rvq") else 2**-7), (spec, tokens)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional"])
+@pytest.mark.parametrize("tokens", (70, 8193, 33000))
+def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's history decoded in one launch on this GPU (its backend let into dequantize.KIVI_BACKENDS for the test):
+    the 4-bit level's layout, the 3-bit level's (key outliers, scale-only rotated values) with keys before RoPE, and
+    plain KIVI, against the reference decode on the same device (float32, then bf16): each entry within one bf16 unit
+    plus the angle's error (position x each pair's angle read back from MLX's RoPE) relative to its token's largest,
+    and a 40-token prefill chunk's attention through it within 2e-3 (beyond its bf16 rounding) of the reference's in
+    float32 on the CPU stream. Positions up to 33k, where float32 angles are coarsest: the parity run behind a
+    backend's place in KIVI_BACKENDS."""
+    from engine.kvcache.kernels import dequantize
+
+    monkeypatch.setattr(dequantize, "KIVI_BACKENDS", (*dequantize.KIVI_BACKENDS, available_backend()))
+    bits, options = 4, {}
+    if layout != "plain":
+        options = {"key_block": 128, "rotate_values": True}
+    if layout.startswith("level3"):
+        bits = 3
+        options |= {"symmetric_values": True, "key_outliers": 1, "rope": "pre", "rope_dims": 128,
+                    "rope_base": 500000.0, "rope_scale": 1.0, "rope_traditional": layout.endswith("traditional")}
+    cache = _filled("kivi", bits, 64, 0, 4 if options else 0, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens,
+                    options=options, spiked=bits == 3)
+    assert cache._dequantize_launch() is not None
+    store = cache._compressed_view()
+    got = cache._decoded_history(store, mx.bfloat16)
+    want = _reference_of(cache)._decoded_history(store, mx.bfloat16)
+    for out, ref in zip(got, want, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
+        ref32 = ref.astype(mx.float32)
+        largest = mx.max(mx.abs(ref32), axis=-1, keepdims=True) + 1e-3
+        error = mx.abs(out.astype(mx.float32) - ref32) / largest
+        assert float(mx.max(error)) <= 2**-6, (layout, tokens, float(mx.max(error)))
+    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 40, 128), dtype=np.float32))
+    out = cache.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask="causal")
+    with mx.stream(mx.cpu):
+        ref = _reference_of(cache).attention(queries, None, None, scale=128**-0.5, mask="causal")
+        mx.eval(ref)
+    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+    assert np.isfinite(excess) and excess <= 2e-3, (layout, tokens, excess)
 
 
 @needs_gpu

@@ -840,13 +840,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         dense = self._dense_dtype  # as the reference: decoded into the cache's 16-bit dtype, then cast
         keys, values = _kernels.dequantize_history(
             key_codec, key_arrays, value_codec, value_arrays, self._n_compressed, self._k_head_dim,
-            self.config.group_size, dense, backend, sketch=self._key_sketch())
+            self.config.group_size, dense, backend, sketch=self._key_sketch(), key_block=self._kernel_key_block(),
+            rope=self._kernel_rope())
         return (keys, values) if dense == dtype else (keys.astype(dtype), values.astype(dtype))
 
     def _dequantize_launch(self) -> tuple[str, tuple[Any, ...]] | None:
         """(backend, the method's kernel codecs and arrays) where the history-decode kernel decodes this cache, else
         None."""
-        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off" or self._keys_by_position():
+        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
+            return None
+        if self._keys_by_position() and self._kernel_rope() is None:  # keys stored before a RoPE no kernel turns
             return None
         backend = _kernels.available_backend()
         if backend not in _kernels.dequantize.BACKENDS or self._store is None or self._k_head_dim != self._v_head_dim:

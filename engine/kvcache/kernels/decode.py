@@ -248,6 +248,14 @@ INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
   if (sh + 8 * bits > 32) x |= ((U64)row[w + 1]) << 32;
   return x >> sh;
 }
+
+// The sine and cosine of a pair's angle at `position`, as MLX's RoPE computes the angle (float32 position x
+// frequency), reduced to [-pi, pi] by whole turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast
+// sine and cosine serve: a full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad.
+#define TURN_AT(position, freq, sn, cs) { \
+    const float angle_ = (position) * (freq); \
+    const float turns_ = RINT(angle_ * 0.159154943091895f); \
+    SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
 """
 
 # The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group),
@@ -578,13 +586,6 @@ _TILED_BODY = """
   float st_kb[NDK];
   int st_ko[KO ? NDK : 1];
   float st_kd[KO ? NDK : 1];
-// The sine and cosine of a pair's angle at `position`, as MLX's RoPE computes the angle (float32 position x
-// frequency), reduced to [-pi, pi] by whole turns (2 pi in two parts, fused: ~1e-7 rad up to 10^5 turns) so the fast
-// sine and cosine serve: a full-range sincosf costs ~40 instructions a pair and a slow path past 10^5 rad.
-#define TURN_AT(position, freq, sn, cs) { \
-    const float angle_ = (position) * (freq); \
-    const float turns_ = RINT(angle_ * 0.159154943091895f); \
-    SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
 // Channel d's block outlier, at token t of the tile being stored (any other t: not in this tile), with its residual:
 // its share of each row's score, q_d x residual, added to sh_ox (two channels may share a token, hence SHARED_ADD).
 // One thread per channel and tile, where phase 1's threads would each test their channels for every run of tokens.

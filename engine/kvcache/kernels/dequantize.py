@@ -97,12 +97,78 @@ _BODY = """
 """
 
 
+# KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
+# so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
+# instead. A thread here decodes 8 channel pairs of one token (the first B·H·n·D/16 threads; every thread also decodes
+# its 8 value channels as in `_BODY`): per channel the code, the block's scale and bias (float32, as the reference's
+# float32-scale dequantize), the block's outlier residual where KO and the token is its index, then, keys stored
+# before RoPE (ROPE, TRAD: KIVI's rope=pre), the pair turned by its position as the tiled decode pass turns it
+# (TURN_AT; compressed token c sits at position c, the sinks' copies being in KIVI's stream). Lanes of a warp take
+# consecutive pairs of the same token, so their writes are whole rows of the output and their code words are shared
+# through the cache. In place of MLX's dequantize, the outliers' scatter, the float32 RoPE over the whole history and
+# the casts: each a history-sized pass (a 32k-token prefill of the 3-bit level ran at 0.79x of fp16, BENCHMARKS.md).
+_KIVI_BODY = """
+  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD.
+  constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
+  constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)k0_shape[0] * k0_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
+  if (idx < bhs * n * KPT) {
+    const int klane = (int)(idx % KPT);
+    const long token = idx / KPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const int g = c / GK;
+    for (int i = 0; i < 8; ++i) {
+      const int j = klane * 8 + i;     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
+      const int a = (ROPE && !TRAD) ? j : 2 * j;
+      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
+      float x[2];
+      for (int e = 0; e < 2; ++e) {
+        const long row = (long)bh * D + (e ? b : a);
+        const U32 code = code_at(k0 + row * k0_shape[3], c, KB);
+        x[e] = (float)k1[row * k1_shape[3] + g] * (float)code + (float)k2[row * k2_shape[3] + g];
+        if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x[e] += (float)kout[row * kout_shape[3] + g];
+      }
+      if (ROPE) {
+        float sn, cs;
+        TURN_AT((float)c, rfreq[j], sn, cs);
+        const float ra = x[0] * cs - x[1] * sn;
+        const float rb = x[0] * sn + x[1] * cs;
+        x[0] = ra;
+        x[1] = rb;
+      }
+      keys[token * D + a] = static_cast<TD>(x[0]);
+      keys[token * D + b] = static_cast<TD>(x[1]);
+    }
+  }
+  if (idx < bhs * n * TPT) {
+    const int lane = (int)(idx % TPT);
+    const long token = idx / TPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const long at = token * D + lane * 8;
+    float out[8];
+    float mul;
+    LOAD_VALUE(c, out, mul);
+    for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
+  }
+"""
+# Backends where KIVI caches decode their history with `_KIVI_BODY` (the CPU emulator checks it against the reference
+# in the tests; a GPU backend joins after its parity run, tests/test_kvcache_kernels.py).
+KIVI_BACKENDS: tuple[str, ...] = ("emulate",)
+
+
 def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
     """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
     if key.kind in _decode.SKETCH_KINDS and backend not in SKETCH_HISTORY_BACKENDS:
         return False
+    if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's
+        return (backend in KIVI_BACKENDS and value.kind == "affine" and key.supported and value.supported
+                and not key.grid and not value.grid and head_dim % 16 == 0)
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 
@@ -110,6 +176,16 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
 @functools.cache
 def dequantize_source(key: Codec, value: Codec) -> KernelSource:
     """The history-decode kernel for one (key codec, value codec) pair."""
+    if key.kind == "kivi_keys":
+        return KernelSource(
+            name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}",
+            input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq",
+                         *(f"v{i}" for i in range(value.slots))),
+            output_names=("keys", "values"),
+            body=_KIVI_BODY,
+            header=_HEADER,
+            defines=value.macro("VALUE"),
+        )
     return KernelSource(
         name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}",
         input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
@@ -132,21 +208,33 @@ def dequantize_history(
     dtype: mx.Dtype,
     backend: str,
     sketch: mx.array | None = None,
+    key_block: int | None = None,
+    rope: tuple[mx.array, bool] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Keys and values [B, n_kv, n_tokens, head_dim] in `dtype`, decoded from the first `n_tokens` of the codecs'
     arrays (each [B, n_kv, capacity, ...], in the order `decode._CODEC_MACROS` documents); sketched keys also need
-    the m×D `sketch` S."""
+    the m×D `sketch` S. KIVI keys (arrays [B, n_kv, D, ...], their outliers' residuals and indices last where the
+    codec has them) are read in blocks of `key_block` tokens (default: the group size); `rope` (each channel pair's
+    angle per position, traditional pairing) turns keys stored before RoPE, compressed token c at position c."""
     if not supported(key, value, head_dim, backend):
         raise ValueError(f"The history-decode kernel has no variant for {key} / {value} at head_dim {head_dim}.")
     sketched = key.kind in _decode.SKETCH_KINDS
     if sketched != (sketch is not None):
         raise ValueError(f"The history decode of {key} keys takes {'a' if sketched else 'no'} sketch.")
+    if rope is not None and key.kind != "kivi_keys":
+        raise ValueError("Only KIVI keys are stored before RoPE.")
     batch, n_kv = key_arrays[0].shape[:2]
     threads = batch * n_kv * n_tokens * (head_dim // 8)
     shape = (batch, n_kv, n_tokens, head_dim)
+    template = [("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)]
+    if key.kind == "kivi_keys":
+        outliers = key_arrays[-2:] if key.outliers else _decode._no_outliers()
+        key_arrays = [*key_arrays[:3], *outliers, _decode._no_grid() if rope is None else rope[0]]
+        template += [("GK", key_block or group_size), ("KB", key.bits), ("ROPE", int(rope is not None)),
+                     ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers))]
     keys, values = kernel(dequantize_source(key, value), backend)(
         inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *([sketch] if sketched else [])],
-        template=[("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)],
+        template=template,
         grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[shape, shape],

@@ -371,7 +371,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return replace(config, options={**config.options, **dict(zip(ROPE_PARAMETERS, astuple(rope), strict=True))})
 
     def _kernel_rope(self) -> tuple[mx.array, bool] | None:
-        return None if self._rope is None else (self._rope.frequencies(), self._rope.traditional)
+        # The kernels turn every channel pair: a RoPE over fewer channels (rope_dims < head_dim) has no kernel.
+        if self._rope is None or self._rope.dims != self._k_head_dim:
+            return None
+        return self._rope.frequencies(), self._rope.traditional
 
     def _kernel_declines_here(self, rows: int) -> str | None:
         if self._rope is None:
