@@ -1,7 +1,8 @@
 """Where a prefill chunk's time goes over compressed history, for one layer of the 8B shape (8 kv heads, head_dim
 128, 16,384 compressed tokens): the history decode (`_dense_history`: the kernel where one decodes the method, else
 MLX's operations), MLX's decode (`_decode`) and, for sketched keys, its parts (the sign bits' unpacking, the ±1
-array, the Sᵀ·sign matmul in three dtypes), then a 2,048-token chunk's attention through the cache. Prints one row
+array, the Sᵀ·sign matmul in three dtypes), the encode of a 2,048-token chunk (`_encode`), then a 2,048-token chunk's
+attention through the cache. A spec may carry kernel constants (`SPEC#NAME=VALUE`, as benchmarks/decode.py). Prints one row
 per method and writes them with --out. Meant for a GPU (the H200 run: benchmarks/results/history-decode-profile-h200.json).
 
     python benchmarks/history_decode_profile.py [--out profile.json] [--specs turboquant_prod:k4v4:g64,...]
@@ -22,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.decode import spec_constants, split_spec  # noqa: E402
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape  # noqa: E402
 from engine.kvcache.quant.bitpack import unpack_bits  # noqa: E402
 from engine.kvcache.quant.sketch import signs_as_pm_one  # noqa: E402
@@ -41,6 +43,14 @@ def timed(fn: Callable[[], object], repeats: int = 10) -> float:
 
 
 def profile(spec: str, tokens: int = 16384, chunk_queries: int = 2048) -> dict:
+    """One row; `spec` may carry kernel constants (`SPEC#NAME=VALUE`, as benchmarks/decode.py), set while it runs."""
+    with spec_constants(spec) as text:
+        row = _profile(text, tokens, chunk_queries)
+    _, constants = split_spec(spec)
+    return row | ({"kernel_constants": constants} if constants else {})
+
+
+def _profile(spec: str, tokens: int, chunk_queries: int) -> dict:
     cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 32, 8, 128)).build()[0]
     rng = np.random.default_rng(0)
     for start in range(0, tokens, 4096):
@@ -68,6 +78,8 @@ def profile(spec: str, tokens: int = 16384, chunk_queries: int = 2048) -> dict:
     if hasattr(cache, "_decode_unit"):
         row["decode_unit_key_ms"] = timed(lambda: cache._decode_unit(store, "key"))
         row["decode_unit_value_ms"] = timed(lambda: cache._decode_unit(store, "value"))
+    new_tokens = mx.array(rng.standard_normal((1, 8, chunk_queries, 128)).astype(np.float32)).astype(mx.bfloat16)
+    row[f"encode_chunk{chunk_queries}_ms"] = timed(lambda: list(cache._encode(new_tokens, new_tokens).values()))
     queries = mx.array(rng.standard_normal((1, 32, chunk_queries, 128)).astype(np.float32)).astype(mx.bfloat16)
     row[f"attention_chunk{chunk_queries}_ms"] = timed(
         lambda: cache.attention(queries, None, None, scale=128**-0.5, mask=None), repeats=5)

@@ -26,7 +26,7 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
-from engine.kvcache.kernels.dequantize import dequantize_source
+from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
 from tests.kvcache_helpers import filled_then_stepped
 
@@ -46,7 +46,8 @@ CODEC_PAIRS = (
 ALL_SOURCES = (
     MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
-    *(dequantize_source(k, v) for k, v in CODEC_PAIRS if k.kind not in ("prod", "qjl")),
+    *(dequantize_source(k, v) for k, v in CODEC_PAIRS),
+    *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.

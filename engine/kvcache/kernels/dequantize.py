@@ -72,7 +72,13 @@ _BODY = """
     float kmul2[1];
 #endif
     LOAD_KEY(c, out, mul);
-#if KEY_SKETCH
+#if KEY_SKETCH && PROJ
+    // Σ_j sign_j · S[j, :] computed beforehand for every token as one matmul (`proj`: SKETCH_HISTORY_MATMUL)
+    {
+      const float factor = kmul2[0] * (1.2533141373155003f / (float)(SK * D));
+      for (int i = 0; i < 8; ++i) out[i] += factor * (float)proj[at + i];
+    }
+#elif KEY_SKETCH
     {
       // out += kmul2 · sqrt(π/2)/m · Σ_j sign_j · S[j, 8·lane .. 8·lane + 8), over the token's m = SK·D sign bits
       constexpr int M = SK * D;
@@ -96,6 +102,32 @@ _BODY = """
   }
 """
 
+
+# Sketched keys' history by a matmul (SKETCH_HISTORY_MATMUL): `_SIGNS_BODY` writes every token's m signs as ±1
+# (float32, a thread per packed word: 32 entries, consecutive threads consecutive 128-byte runs), one float32 matmul
+# with the m×D sketch S gives Σ_j sign_j·S[j, :] per token (a float16 product rounded the residual's share by ~1e-4,
+# past the reference's float32 within 2^-10), and `_BODY` (PROJ = 1) reads that in place of its m·8 multiply-adds a thread. The per-thread sum read all m rows of S
+# for every token and lane: 2.0 ms of qjl:4's 16k-token layer history on the H200 against ~0.2 for turboquant's
+# (prefill-sketch-history-h200.json); unpacking with MLX operations took 1.5 ms of its own (history-decode-profile).
+_SIGNS_BODY = """
+  // Template: W (sign words per token), TD. Thread: word w of token c's packed signs (bit 1 = +1).
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)signs_shape[0] * signs_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
+  if (idx < bhs * n * W) {
+    const int w = (int)(idx % W);
+    const long token = idx / W;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const U32 word = signs[((long)bh * signs_shape[2] + c) * signs_shape[3] + w];
+    for (int b = 0; b < 32; ++b)
+      pm[token * (32 * W) + 32 * w + b] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
+  }
+"""
+SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
+                            body=_SIGNS_BODY)
+# Whether sketched keys' history is rebuilt through `_SIGNS_BODY` and a matmul (True) or by `_BODY`'s own sums.
+SKETCH_HISTORY_MATMUL = True
 
 # KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
 # so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
@@ -174,8 +206,9 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
 
 
 @functools.cache
-def dequantize_source(key: Codec, value: Codec) -> KernelSource:
-    """The history-decode kernel for one (key codec, value codec) pair."""
+def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSource:
+    """The history-decode kernel for one (key codec, value codec) pair; `proj`: sketched keys read Σ_j sign_j·S[j, :]
+    from an input `proj` in place of the sketch."""
     if key.kind == "kivi_keys":
         return KernelSource(
             name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}",
@@ -186,14 +219,18 @@ def dequantize_source(key: Codec, value: Codec) -> KernelSource:
             header=_HEADER,
             defines=value.macro("VALUE"),
         )
+    sketched = key.kind in _decode.SKETCH_KINDS
+    if proj and not sketched:
+        raise ValueError(f"Only sketched keys read a projection, not {key}.")
     return KernelSource(
-        name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}",
+        name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}"
+        + ("_proj" if proj else ""),
         input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
-                     *(("sk",) if key.kind in _decode.SKETCH_KINDS else ())),
+                     *((("proj",) if proj else ("sk",)) if sketched else ())),
         output_names=("keys", "values"),
         body=_BODY,
         header=_HEADER,
-        defines=key.macro("KEY") + value.macro("VALUE"),
+        defines=f"#define PROJ {int(proj)}\n" + key.macro("KEY") + value.macro("VALUE"),
     )
 
 
@@ -232,8 +269,22 @@ def dequantize_history(
         key_arrays = [*key_arrays[:3], *outliers, _decode._no_grid() if rope is None else rope[0]]
         template += [("GK", key_block or group_size), ("KB", key.bits), ("ROPE", int(rope is not None)),
                      ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers))]
-    keys, values = kernel(dequantize_source(key, value), backend)(
-        inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *([sketch] if sketched else [])],
+    extra = [sketch] if sketched else []
+    proj = sketched and SKETCH_HISTORY_MATMUL
+    if proj:
+        signs = key_arrays[0] if key.kind == "qjl" else key_arrays[4]
+        rows = int(sketch.shape[0])
+        (pm,) = kernel(SIGNS_SOURCE, backend)(
+            inputs=[RULER(n_tokens), signs],
+            template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
+            grid=((batch * n_kv * n_tokens * (rows // 32) + THREADS - 1) // THREADS * THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(batch, n_kv, n_tokens, rows)],
+            output_dtypes=[mx.float32],
+        )
+        extra = [pm @ sketch.astype(mx.float32)]
+    keys, values = kernel(dequantize_source(key, value, proj), backend)(
+        inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *extra],
         template=template,
         grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),

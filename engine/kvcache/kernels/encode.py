@@ -214,6 +214,16 @@ _POLAR_BODY = _WARP_PROLOGUE + """
 # encode, qjl:k4v4 within the rounds' spread (benchmarks/results/decode-sketch-encode-polar-h200.json). Metal runs
 # the same body: enabled by construction, as every kernel here.
 SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+# The most new tokens whose sketched keys encode through the kernel; a longer chunk (a prefill's) through MLX, whose
+# S·k is one matmul on the GPU's matrix units, where each of the kernel's warps reads all m rows of S for its vector
+# (m·D multiply-adds a key: 64k for qjl:4 at D = 128). None: the kernel at any length.
+SKETCH_ENCODE_MAX_TOKENS: int | None = None
+
+
+def sketch_encode_takes(backend: str | None, n_tokens: int) -> bool:
+    """Whether `n_tokens` new sketched keys encode through the kernel on `backend`."""
+    return backend in SKETCH_ENCODE_BACKENDS and (SKETCH_ENCODE_MAX_TOKENS is None
+                                                   or n_tokens <= SKETCH_ENCODE_MAX_TOKENS)
 
 # Backends where PolarQuant's keys and values encode through the polar kernel (`polar_encode`); elsewhere through
 # MLX operations (~100 small ones per role: the transform's levels, a code search per level, two packings). The CPU
