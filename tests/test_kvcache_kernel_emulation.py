@@ -330,10 +330,12 @@ def test_emulated_qjl_encode_kernel_matches_reference(spec: str, head_dim: int) 
 
 
 @pytest.mark.usefixtures("emulated")
-@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
-def test_sketch_encode_kernel_takes_only_short_chunks(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With SKETCH_ENCODE_MAX_TOKENS set, a longer chunk's sketched keys encode through MLX (the reference encode,
-    exactly) and a decode step's through the kernel; unset, every chunk through the kernel."""
+@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "qjl:k1v4:g64", "turboquant_prod:k4v4:g64"])
+def test_sketch_encode_kernel_takes_long_chunks_only_of_small_sketches(spec: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk longer than SKETCH_ENCODE_MAX_TOKENS encodes qjl's keys through MLX where its sketch has more rows than
+    a key has channels (key_bits > 1: the reference encode, exactly), a decode step's through the kernel; qjl at one
+    sketch row per channel and turboquant_prod (m = D) keep the kernel; with the limit unset every chunk takes it."""
     from engine.kvcache.kernels import encode
 
     launches = []
@@ -346,16 +348,19 @@ def test_sketch_encode_kernel_takes_only_short_chunks(spec: str, monkeypatch: py
     cache._setup_from(keys, keys)
     reference = _reference_of(cache)._encode(keys, keys)
     monkeypatch.setattr(encode, "SKETCH_ENCODE_MAX_TOKENS", 64)
+    kernel_launches = 1 if module == "qjl" else 2  # turboquant_prod's values have their own launch
     long_chunk = cache._encode(keys, keys)
-    assert all(mx.array_equal(long_chunk[n], reference[n]) for n in reference if n.startswith("key")), spec
-    assert launches == ([] if module == "qjl" else [100])  # turboquant_prod's values keep their own kernel
-    key_launches = len(launches)
+    if spec == "qjl:k4v4:g64":
+        assert launches == []
+        assert all(mx.array_equal(long_chunk[n], reference[n]) for n in reference), spec
+    else:
+        assert launches == [100] * kernel_launches
     cache._encode(keys[..., :1, :], keys[..., :1, :])
-    assert len(launches) > key_launches and launches[-1] == 1
+    assert launches[-1] == 1
     monkeypatch.setattr(encode, "SKETCH_ENCODE_MAX_TOKENS", None)
     before = len(launches)
     cache._encode(keys, keys)
-    assert launches[before:].count(100) == (1 if module == "qjl" else 2)
+    assert launches[before:] == [100] * kernel_launches
 
 
 @pytest.mark.usefixtures("emulated")
@@ -399,6 +404,26 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
             assert len(launches) == before + 1, "a prefill chunk did not decode the history with the kernel"
             ref = reference.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
             assert float(mx.max(mx.abs(out - ref))) <= 2e-3, spec
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k3v3:g64:w5:s2"])
+def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sketched keys' history rebuilt SKETCH_HISTORY_BLOCK tokens at a time (a partial last block included) equals the
+    same rebuilt at once, and the per-thread sums of the kernel's other form within float rounding."""
+    from engine.kvcache.kernels import dequantize
+
+    cache = _filled(spec, 301, 128, 2, seed=11)
+    store = cache._compressed_view()
+    whole = cache._decoded_history(store, mx.float32)
+    monkeypatch.setattr(dequantize, "SKETCH_HISTORY_BLOCK", 64)
+    blocks = cache._decoded_history(store, mx.float32)
+    assert cache.n_compressed > 4 * 64 and cache.n_compressed % 64
+    assert all(mx.array_equal(a, b) for a, b in zip(whole, blocks, strict=True))
+    monkeypatch.setattr(dequantize, "SKETCH_HISTORY_MATMUL", False)
+    summed = cache._decoded_history(store, mx.float32)
+    error = mx.abs(summed[0] - whole[0]) / (mx.abs(whole[0]) + 1e-2)
+    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(summed[1], whole[1])
 
 
 @pytest.mark.usefixtures("emulated")

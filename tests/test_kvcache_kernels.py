@@ -470,16 +470,17 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
 
 @needs_gpu
 @pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional"])
-@pytest.mark.parametrize("tokens", (70, 8193, 33000))
+@pytest.mark.parametrize("tokens", (300, 8193, 33000))
 def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's history decoded in one launch on this GPU (its backend let into dequantize.KIVI_BACKENDS for the test):
     the 4-bit level's layout, the 3-bit level's (key outliers, scale-only rotated values) with keys before RoPE, and
     plain KIVI, against the reference decode on the same device (float32, then bf16): each entry within one bf16 unit
     plus the angle's error (position x each pair's angle read back from MLX's RoPE) relative to its token's largest,
-    and a 40-token prefill chunk's attention through it within 2e-3 (beyond its bf16 rounding) of the reference's in
-    float32 on the CPU stream. Positions up to 33k, where float32 angles are coarsest: the parity run behind a
-    backend's place in KIVI_BACKENDS."""
+    and a 40-token prefill chunk's attention through it within 2e-3 of the reference path's on the same device (both
+    attend in bf16 with MLX's SDPA; against float32 on the CPU, bf16 attention itself differs by up to ~1e-2).
+    Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
+    KIVI_BACKENDS."""
     from engine.kvcache.kernels import dequantize
 
     monkeypatch.setattr(dequantize, "KIVI_BACKENDS", (*dequantize.KIVI_BACKENDS, available_backend()))
@@ -502,13 +503,12 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
         largest = mx.max(mx.abs(ref32), axis=-1, keepdims=True) + 1e-3
         error = mx.abs(out.astype(mx.float32) - ref32) / largest
         assert float(mx.max(error)) <= 2**-6, (layout, tokens, float(mx.max(error)))
-    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 40, 128), dtype=np.float32))
-    out = cache.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask="causal")
-    with mx.stream(mx.cpu):
-        ref = _reference_of(cache).attention(queries, None, None, scale=128**-0.5, mask="causal")
-        mx.eval(ref)
-    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
-    assert np.isfinite(excess) and excess <= 2e-3, (layout, tokens, excess)
+    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 40, 128),
+                                                                        dtype=np.float32)).astype(mx.bfloat16)
+    out = cache.attention(queries, None, None, scale=128**-0.5, mask="causal")
+    ref = _reference_of(cache).attention(queries, None, None, scale=128**-0.5, mask="causal")
+    error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
+    assert np.isfinite(error) and error <= 2e-3, (layout, tokens, error)
 
 
 @needs_gpu

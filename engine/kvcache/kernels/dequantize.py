@@ -126,8 +126,10 @@ _SIGNS_BODY = """
 """
 SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
                             body=_SIGNS_BODY)
-# Whether sketched keys' history is rebuilt through `_SIGNS_BODY` and a matmul (True) or by `_BODY`'s own sums.
+# Whether sketched keys' history is rebuilt through `_SIGNS_BODY` and a matmul (True) or by `_BODY`'s own sums, and
+# how many tokens' ±1 rows one matmul takes.
 SKETCH_HISTORY_MATMUL = True
+SKETCH_HISTORY_BLOCK = 4096
 
 # KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
 # so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
@@ -234,6 +236,29 @@ def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSou
     )
 
 
+def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend: str) -> mx.array:
+    """Σ_j sign_j·S[j, :] (float32 [B, n_kv, n_tokens, D]) for the first `n_tokens` tokens' packed signs
+    [B, n_kv, capacity, m/32], SKETCH_HISTORY_BLOCK tokens at a time (the ±1 rows of a block are m floats a token:
+    a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once)."""
+    batch, n_kv = signs.shape[:2]
+    rows = int(sketch.shape[0])
+    sketch32 = sketch.astype(mx.float32)
+    parts = []
+    for start in range(0, n_tokens, SKETCH_HISTORY_BLOCK):
+        count = min(SKETCH_HISTORY_BLOCK, n_tokens - start)
+        block = signs if (start == 0 and count == signs.shape[2]) else signs[:, :, start : start + count]
+        (pm,) = kernel(SIGNS_SOURCE, backend)(
+            inputs=[RULER(count), block],
+            template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
+            grid=((batch * n_kv * count * (rows // 32) + THREADS - 1) // THREADS * THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(batch, n_kv, count, rows)],
+            output_dtypes=[mx.float32],
+        )
+        parts.append(pm @ sketch32)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
 def dequantize_history(
     key: Codec,
     key_arrays: list[mx.array],
@@ -272,17 +297,7 @@ def dequantize_history(
     extra = [sketch] if sketched else []
     proj = sketched and SKETCH_HISTORY_MATMUL
     if proj:
-        signs = key_arrays[0] if key.kind == "qjl" else key_arrays[4]
-        rows = int(sketch.shape[0])
-        (pm,) = kernel(SIGNS_SOURCE, backend)(
-            inputs=[RULER(n_tokens), signs],
-            template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
-            grid=((batch * n_kv * n_tokens * (rows // 32) + THREADS - 1) // THREADS * THREADS, 1, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(batch, n_kv, n_tokens, rows)],
-            output_dtypes=[mx.float32],
-        )
-        extra = [pm @ sketch.astype(mx.float32)]
+        extra = [_sketch_projection(key_arrays[0] if key.kind == "qjl" else key_arrays[4], sketch, n_tokens, backend)]
     keys, values = kernel(dequantize_source(key, value, proj), backend)(
         inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *extra],
         template=template,

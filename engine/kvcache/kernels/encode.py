@@ -214,16 +214,21 @@ _POLAR_BODY = _WARP_PROLOGUE + """
 # encode, qjl:k4v4 within the rounds' spread (benchmarks/results/decode-sketch-encode-polar-h200.json). Metal runs
 # the same body: enabled by construction, as every kernel here.
 SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
-# The most new tokens whose sketched keys encode through the kernel; a longer chunk (a prefill's) through MLX, whose
-# S·k is one matmul on the GPU's matrix units, where each of the kernel's warps reads all m rows of S for its vector
-# (m·D multiply-adds a key: 64k for qjl:4 at D = 128). None: the kernel at any length.
-SKETCH_ENCODE_MAX_TOKENS: int | None = None
+# The most new tokens whose keys encode through the kernel where the sketch has more rows than a key has channels
+# (qjl at 2 or more key bits: m = key_bits·D); a longer chunk (a prefill's) encodes through MLX, whose S·k is one
+# matmul on the GPU's matrix units, where each of the kernel's warps reads all m rows of S for its key (m·D
+# multiply-adds: 64k for qjl:4 at D = 128). A 2,048-token chunk of 8 kv heads on the H200: qjl:k4v4 4.86 ms through
+# the kernel against 0.87 through MLX; turboquant_prod:k4v4 (m = D, and its MLX encode is ~30 operations) 1.41 against
+# 2.11, so it keeps the kernel (benchmarks/results/history-profile-r2-h200.json). None: the kernel at any length.
+SKETCH_ENCODE_MAX_TOKENS: int | None = 64
 
 
-def sketch_encode_takes(backend: str | None, n_tokens: int) -> bool:
-    """Whether `n_tokens` new sketched keys encode through the kernel on `backend`."""
-    return backend in SKETCH_ENCODE_BACKENDS and (SKETCH_ENCODE_MAX_TOKENS is None
-                                                   or n_tokens <= SKETCH_ENCODE_MAX_TOKENS)
+def sketch_encode_takes(backend: str | None, n_tokens: int, rows: int, head_dim: int) -> bool:
+    """Whether `n_tokens` new keys of `head_dim` channels with an m = `rows` sketch encode through the kernel on
+    `backend`."""
+    if backend not in SKETCH_ENCODE_BACKENDS:
+        return False
+    return SKETCH_ENCODE_MAX_TOKENS is None or rows <= head_dim or n_tokens <= SKETCH_ENCODE_MAX_TOKENS
 
 # Backends where PolarQuant's keys and values encode through the polar kernel (`polar_encode`); elsewhere through
 # MLX operations (~100 small ones per role: the transform's levels, a code search per level, two packings). The CPU

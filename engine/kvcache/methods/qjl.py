@@ -124,7 +124,8 @@ class VeloxQJLKVCache(SegmentedKVCache):
         # The keys' norms and sketch signs in one launch where the backend is in kernels.encode.SKETCH_ENCODE_BACKENDS.
         mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
         backend = _kernels.available_backend() if mode != "off" else None
-        if keys.ndim == 4 and _kernels.encode.sketch_encode_takes(backend, keys.shape[-2]):
+        if keys.ndim == 4 and _kernels.encode.sketch_encode_takes(backend, keys.shape[-2], self._sketch.shape[0],
+                                                                  keys.shape[-1]):
             norms, signs = codebook_encode(keys, [], self._dense_dtype, backend, sketch=self._sketch)
             return {
                 "key_codes": signs,

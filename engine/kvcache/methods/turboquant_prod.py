@@ -117,7 +117,7 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
             parts = codebook_encode(vectors, [(self.config.value_bits, centroids, boundaries)], self._dense_dtype,
                                     backend)
             return dict(zip(["value_norms", "value_codes"], parts, strict=True))
-        if not _kernels.encode.sketch_encode_takes(backend, vectors.shape[-2]):
+        if not _kernels.encode.sketch_encode_takes(backend, vectors.shape[-2], self._sketch.shape[0], vectors.shape[-1]):
             return self._encode_role(vectors, role)
         parts = codebook_encode(vectors, [(self.config.key_bits - 1, centroids, boundaries)], self._dense_dtype,
                                 backend, sketch=self._sketch)
