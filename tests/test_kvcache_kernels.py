@@ -477,8 +477,9 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     the 4-bit level's layout, the 3-bit level's (key outliers, scale-only rotated values) with keys before RoPE, and
     plain KIVI, against the reference decode on the same device (float32, then bf16): each entry within one bf16 unit
     plus the angle's error (position x each pair's angle read back from MLX's RoPE) relative to its token's largest,
-    and a 40-token prefill chunk's attention through it within 2e-3 of the reference path's on the same device (both
-    attend in bf16 with MLX's SDPA; against float32 on the CPU, bf16 attention itself differs by up to ~1e-2).
+    and a 40-token prefill chunk's attention through it within 2e-3 and one bf16 unit of the reference path's on the
+    same device (both attend in bf16 with MLX's SDPA; against float32 on the CPU, bf16 attention itself differs by up
+    to ~1e-2).
     Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
     KIVI_BACKENDS."""
     from engine.kvcache.kernels import dequantize
@@ -507,8 +508,10 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                                                                         dtype=np.float32)).astype(mx.bfloat16)
     out = cache.attention(queries, None, None, scale=128**-0.5, mask="causal")
     ref = _reference_of(cache).attention(queries, None, None, scale=128**-0.5, mask="causal")
-    error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
-    assert np.isfinite(error) and error <= 2e-3, (layout, tokens, error)
+    # Both outputs are rounded to bf16: beyond 2e-3, one unit of that rounding (2^-7 relative) may differ
+    ref32 = ref.astype(mx.float32)
+    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref32) - 2**-7 * mx.abs(ref32)))
+    assert np.isfinite(excess) and excess <= 2e-3, (layout, tokens, excess)
 
 
 @needs_gpu

@@ -104,24 +104,26 @@ _BODY = """
 
 
 # Sketched keys' history by a matmul (SKETCH_HISTORY_MATMUL): `_SIGNS_BODY` writes every token's m signs as ±1
-# (float32, a thread per packed word: 32 entries, consecutive threads consecutive 128-byte runs), one float32 matmul
+# (float32, a thread per entry: a warp's stores are 128 contiguous bytes), one float32 matmul
 # with the m×D sketch S gives Σ_j sign_j·S[j, :] per token (a float16 product rounded the residual's share by ~1e-4,
 # past the reference's float32 within 2^-10), and `_BODY` (PROJ = 1) reads that in place of its m·8 multiply-adds a thread. The per-thread sum read all m rows of S
 # for every token and lane: 2.0 ms of qjl:4's 16k-token layer history on the H200 against ~0.2 for turboquant's
 # (prefill-sketch-history-h200.json); unpacking with MLX operations took 1.5 ms of its own (history-decode-profile).
 _SIGNS_BODY = """
-  // Template: W (sign words per token), TD. Thread: word w of token c's packed signs (bit 1 = +1).
+  // Template: W (sign words per token), TD. Thread: bit b of word w of token c's packed signs (bit 1 = +1), so a warp
+  // writes 32 consecutive entries (a thread per word wrote 32 entries 128 bytes apart from its neighbours' per store).
   const long n = (long)n_comp_r_shape[0] - 1;
   const long bhs = (long)signs_shape[0] * signs_shape[1];
   const long idx = (long)GROUP_X * NT + TID;
-  if (idx < bhs * n * W) {
-    const int w = (int)(idx % W);
-    const long token = idx / W;
+  if (idx < bhs * n * W * 32) {
+    const int b = (int)(idx % 32);
+    const long at = idx / 32;            // (token, w) in row-major order
+    const int w = (int)(at % W);
+    const long token = at / W;
     const int bh = (int)(token / n);
     const int c = (int)(token - (long)bh * n);
     const U32 word = signs[((long)bh * signs_shape[2] + c) * signs_shape[3] + w];
-    for (int b = 0; b < 32; ++b)
-      pm[token * (32 * W) + 32 * w + b] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
+    pm[idx] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
   }
 """
 SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
@@ -189,9 +191,14 @@ _KIVI_BODY = """
     for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
   }
 """
-# Backends where KIVI caches decode their history with `_KIVI_BODY` (the CPU emulator checks it against the reference
-# in the tests; a GPU backend joins after its parity run, tests/test_kvcache_kernels.py).
-KIVI_BACKENDS: tuple[str, ...] = ("emulate",)
+# Backends where KIVI caches decode their history with `_KIVI_BODY`. The CPU emulator checks it against the reference
+# (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test on the lent H200
+# (tests/test_kvcache_kernels.py::test_kivi_history_decode_kernel_matches_reference, 300 to 33,000 tokens;
+# kernel-parity-history-r3-h200.log), where a 32k-token prefill of the 3-bit level (keys before RoPE) ran at 6,072 and
+# 6,026 tok/s with it against 5,821 without (fp16 7,273 / 7,169) and the 4-bit level's at 6,636 (against 6,382 without in
+# the previous lease's run; prefill-history-kernels-r2-h200.json, prefill-history-kernels-h200.json). Metal runs the
+# same body (nothing in it beyond what the decode pass's Metal form uses): enabled by construction.
+KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 
 def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
@@ -250,7 +257,7 @@ def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend
         (pm,) = kernel(SIGNS_SOURCE, backend)(
             inputs=[RULER(count), block],
             template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
-            grid=((batch * n_kv * count * (rows // 32) + THREADS - 1) // THREADS * THREADS, 1, 1),
+            grid=((batch * n_kv * count * rows + THREADS - 1) // THREADS * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[(batch, n_kv, count, rows)],
             output_dtypes=[mx.float32],
