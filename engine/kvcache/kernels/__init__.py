@@ -13,8 +13,8 @@ cache option `kernels` (`KVCacheConfig(options={"kernels": ...})`):
 What the kernels cover: single-token decode attention (one new query token per sequence, no mask or
 mlx-lm's "causal" string, which for one query masks nothing) over every compressed method's storage; the
 decode of a cache's whole compressed history into 16-bit keys and values, which a prefill chunk attends over
-(affine, rotated, turboquant, rvq: `dequantize.py`, on the backends in its BACKENDS); and, for the codebook
-methods, the encode of new tokens. Prefill chunks (several query tokens) otherwise take the reference path under every setting.
+(`dequantize.py`: every method's codes without a grid, KIVI's and the sketched keys' included; `dequantize.supported`
+says which on which backend); and, for the codebook methods, the encode of new tokens. Prefill chunks (several query tokens) otherwise take the reference path under every setting.
 
 The auto choice on Metal. MLX's Metal `quantized_matmul` has a fast single-row kernel (qmv) for the affine
 and KIVI codes, so `kernels="off"` is a reasonable path there too; but that path is ~10 dependent launches

@@ -9,7 +9,9 @@ ran at 0.76x of the 16-bit cache's speed and rvq:4 at 0.62x, against 0.95x for K
 target is 0.8x). Here one thread decodes 8 channels of one token of both roles with the decode kernels' own
 codec macros (`decode._CODEC_MACROS`: the same unpacking and arithmetic as the decode pass), writing the 16-bit
 keys and values once: in the same run turboquant:4 then prefilled at 0.94x and rvq:4 at 0.91x
-(benchmarks/results/prefill-dequantize-ab-h200.json).
+(benchmarks/results/prefill-dequantize-ab-h200.json). KIVI, whose keys are stored per channel over blocks of tokens,
+has a body of its own (`_KIVI_BODY`: block outliers, keys before RoPE), and sketched keys' Σ sign·S is one matmul over
+±1 rows that `_SIGNS_BODY` writes (both below).
 
 The compressed arrays are the cache's whole buffers (capacity >= n tokens; only the first n are read, and passing
 the buffers rather than views avoids the copy MLX makes of a non-contiguous input); n travels as a ruler's length
@@ -34,8 +36,8 @@ THREADS = 128
 # the same body with its own prelude (nothing in it beyond what the decode pass's Metal form already uses): enabled
 # by construction, as the other kernels here (no Mac here: the GPU parity test runs on one).
 BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
-# The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys are staged per
-# tile by the decode pass and have their own dense path: quantized_matmul / mx.dequantize). PolarQuant's ("polar")
+# The codec kinds whose macros read a token's channels straight from device memory (KIVI's keys, staged per tile by
+# the decode pass, take `_KIVI_BODY` here). PolarQuant's ("polar")
 # and product VQ's ("vq") only on a backend in decode.POLAR_BACKENDS / VQ_BACKENDS, where their decode pass has
 # passed the parity tests. Sketched keys ("prod": turboquant_prod's, "qjl") have no 8 channels of their own to
 # read: a thread rebuilds its 8 channels of the estimator's reconstruction k̂ = ‖k‖·sqrt(π/2)/m · Sᵀ sign(S k)
