@@ -479,8 +479,7 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     plus the angle's error (position x each pair's angle read back from MLX's RoPE) relative to its token's largest,
     and a 40-token prefill chunk's attention through it within 2e-3 and one bf16 unit of the reference path's on the
     same device (both attend in bf16 with MLX's SDPA; against float32 on the CPU, bf16 attention itself differs by up
-    to ~1e-2).
-    Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
+    to ~1e-2). Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
     KIVI_BACKENDS."""
     from engine.kvcache.kernels import dequantize
 

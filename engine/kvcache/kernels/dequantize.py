@@ -51,7 +51,8 @@ KINDS = ("affine", "codebook", "rvq", "polar", "vq", "prod", "qjl")
 # (tests/test_kvcache_kernels.py::test_history_decode_kernel_matches_reference; 2026-12-02, commit dddb261), where a
 # 32k-token prefill ran at 5,731 tok/s with it against 4,161 without for turboquant_prod:4 and 3,982 against 3,763 for
 # qjl:4 (its m = 4·D sign rows per key: four times the work per thread; fp16 7,259;
-# benchmarks/results/prefill-sketch-history-h200.json). Metal runs the same body: enabled by construction.
+# benchmarks/results/prefill-sketch-history-h200.json). Its matmul form (SKETCH_HISTORY_MATMUL, below) passed the same
+# test on the H200 (kernel-parity-history-r3-h200.log). Metal runs the same body: enabled by construction.
 SKETCH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 _BODY = """
@@ -106,11 +107,12 @@ _BODY = """
 
 
 # Sketched keys' history by a matmul (SKETCH_HISTORY_MATMUL): `_SIGNS_BODY` writes every token's m signs as ±1
-# (float32, a thread per entry: a warp's stores are 128 contiguous bytes), one float32 matmul
-# with the m×D sketch S gives Σ_j sign_j·S[j, :] per token (a float16 product rounded the residual's share by ~1e-4,
-# past the reference's float32 within 2^-10), and `_BODY` (PROJ = 1) reads that in place of its m·8 multiply-adds a thread. The per-thread sum read all m rows of S
-# for every token and lane: 2.0 ms of qjl:4's 16k-token layer history on the H200 against ~0.2 for turboquant's
-# (prefill-sketch-history-h200.json); unpacking with MLX operations took 1.5 ms of its own (history-decode-profile).
+# (float32, a thread per entry: a warp's stores are 128 contiguous bytes), one float32 matmul with the m×D sketch S
+# gives Σ_j sign_j·S[j, :] per token (in float16 its rounding, ~1e-4 on a key entry, exceeded the reference's 2^-10),
+# and `_BODY` (PROJ = 1) reads that in place of its own m·8 multiply-adds a thread, which read all m rows of S for
+# every token and lane: qjl:k4v4's 16k-token layer history on the H200 took 2.51 ms that way and 1.34 ms now
+# (history-profile-r2-h200.json, history-profile-r4-h200.json); unpacking the signs with MLX operations had taken 1.5
+# ms alone (history-decode-profile-h200.json).
 _SIGNS_BODY = """
   // Template: W (sign words per token), TD. Thread: bit b of word w of token c's packed signs (bit 1 = +1), so a warp
   // writes 32 consecutive entries (a thread per word wrote 32 entries 128 bytes apart from its neighbours' per store).
