@@ -1,0 +1,177 @@
+"""Experiment for issue 12's 3-bit level: key channels at different widths (2-5 bits, 3 on average; 3-6 averaging
+4 on the level's wide layers), chosen once per layer, kv head and channel by the allocation of
+`key_bit_allocation_probe.py` on the bundled calibration prose, measured held out as `near_lossless.py` measures.
+
+    python benchmarks/key_bits_experiment.py --text ../shared/data/botchan.txt --start 18000 --start 30000 \\
+        --start 42000 --start 50000 --tokens 4096 [--out experiment.json]
+
+A measurement, not a cache: the keys of each 128-token block are quantized before RoPE at their channels' widths
+(the block's one outlier set aside and restored, as key_outliers=1 keeps it), then handed to the 3-bit level's
+layout with 8-bit keys (k8: re-quantizing those levels moves them by at most 1/510 of the block's range), so the
+values, scales, sinks, window and outliers are the level's own. Rows: fp16, the 3-bit level (keys before RoPE, its
+wide layers 1, 10, 18), the same with the widths, and a control: the same path with every channel at the level's own
+width (3, or 4 on the wide layers), which must measure as the level does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from key_bit_allocation_probe import BLOCK, allocate, block_ranges  # noqa: E402
+from near_lossless import paired  # noqa: E402
+
+LEVEL = "kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rope=pre:rotate_values=true:symmetric_values=true"
+WIDE_LAYERS = (1, 10, 18)
+
+
+def calibrate(model, tokenizer, rope, text: str, tokens: int) -> dict[int, np.ndarray]:  # noqa: ANN001
+    """Per layer, the widths [n_kv, D] of its key channels (3 on average; 4 on WIDE_LAYERS)."""
+    import mlx.core as mx
+
+    from engine.kvcache import KVCacheBuilder, KVCacheConfig
+
+    ids = list(tokenizer.encode(Path(text).read_text(encoding="utf-8"), add_special_tokens=False))[:tokens]
+    caches = KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build()
+    energy: dict[int, mx.array] = {}
+    cls = type(caches[0])
+    original = cls.attention
+
+    def recording(self, queries, keys, values, scale, mask):  # noqa: ANN001, ANN202
+        squares = mx.sum(queries.astype(mx.float32) ** 2, axis=2)[0]
+        index = caches.index(self)
+        energy[index] = squares if index not in energy else energy[index] + squares
+        return original(self, queries, keys, values, scale, mask)
+
+    cls.attention = recording
+    try:
+        batch = mx.array(ids)[None]
+        for start in range(0, len(ids), 64):
+            mx.eval(model(batch[:, start : start + 64], cache=caches))
+    finally:
+        cls.attention = original
+    widths = {}
+    for layer, cache in enumerate(caches):
+        keys = np.array(rope.rotate(cache.to_dense()[0], 0, inverse=True))[0]
+        q = np.array(energy[layer])
+        n_kv, _, dim = keys.shape
+        group = q.shape[0] // n_kv
+        half = dim // 2
+        paired_q = q + (q[:, np.r_[half:dim, 0:half]] if not rope.traditional else q[:, np.arange(dim) ^ 1])
+        base = 4 if layer in WIDE_LAYERS else 3
+        choices = np.array([base - 1, base, base + 1, base + 2])
+        steps = (2.0**choices - 1) ** 2 * 12
+        rows = []
+        for head in range(n_kv):
+            weight = paired_q[head * group : (head + 1) * group].sum(axis=0) / 2
+            costs = (weight[:, None] * (block_ranges(keys[head]) ** 2).sum(axis=0)[:, None]) / steps[None, :]
+            rows.append(choices[allocate(costs, dim)])
+        widths[layer] = np.stack(rows)
+    return widths
+
+
+def fake_quantize(keys, widths):  # noqa: ANN001, ANN201
+    """`keys` [B, n_kv, T, D] (T whole blocks, before RoPE) quantized per channel and block at `widths` [n_kv, D],
+    each block's one outlier per channel kept as it is."""
+    import mlx.core as mx
+
+    from engine.kvcache.quant.outliers import split_block_outliers
+
+    b, h, t, d = keys.shape
+    transposed = keys.astype(mx.float32).swapaxes(-1, -2)                     # [B, H, D, T]
+    kept, outliers, index = split_block_outliers(transposed, BLOCK)
+    blocks = kept.reshape(b, h, d, t // BLOCK, BLOCK)
+    low = mx.min(blocks, axis=-1, keepdims=True)
+    high = mx.max(blocks, axis=-1, keepdims=True)
+    levels = (2.0 ** mx.array(widths, dtype=mx.float32) - 1)[None, :, :, None, None]
+    step = mx.maximum(high - low, 1e-12) / levels
+    quantized = low + mx.clip(mx.round((blocks - low) / step), 0, levels) * step
+    positions = mx.arange(BLOCK)
+    restored = mx.where(positions == index.astype(mx.int32)[..., None], outliers[..., None], quantized)
+    return restored.reshape(b, h, d, t).swapaxes(-1, -2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--start", type=int, action="append", required=True)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from engine.runtime import prepare_runtime
+
+    prepare_runtime()
+    from engine.kvcache import KVCacheBuilder, KVCacheConfig
+    from engine.kvcache.evaluate import teacher_forced_token_stats
+    from engine.kvcache.quant.rope import model_rope
+    from engine.models.catalog import load_model
+    from engine.models.default_model import ensure_default_model
+
+    model, tokenizer, _ = load_model(ensure_default_model())
+    rope = model_rope(model)
+    widths = calibrate(model, tokenizer, rope, str(ROOT / "engine" / "kvcache" / "calibration_prose.txt"),
+                       args.calibration_tokens)
+    wide = ":wide=0.1:wide_layers=L" + ".".join(map(str, WIDE_LAYERS))
+    level = KVCacheBuilder(KVCacheConfig.parse(LEVEL + wide)).for_model(model)
+    holders = {bits: KVCacheBuilder(KVCacheConfig.parse(LEVEL.replace("k3v3", f"k8v{bits}"))).for_model(model)
+               for bits in (3, 4)}
+
+    def experiment(uniform: bool = False) -> list:
+        normal, widened = holders[3].build(), holders[4].build()
+        caches = [widened[i] if i in WIDE_LAYERS else normal[i] for i in range(len(normal))]
+        for layer, cache in enumerate(caches):
+            parent = type(cache)
+
+            class Widths(parent):  # type: ignore[misc, valid-type]
+                key_widths = np.full_like(widths[layer], 4 if layer in WIDE_LAYERS else 3) if uniform else widths[layer]
+
+                def _encode(self, keys, values):  # noqa: ANN001, ANN202
+                    before = self._rope.rotate(keys, self._n_compressed, inverse=True)
+                    coded = fake_quantize(before, self.key_widths)
+                    return super()._encode(self._rope.rotate(coded, self._n_compressed).astype(keys.dtype), values)
+
+            cache.__class__ = Widths
+        return caches
+
+    factories = {"fp16": KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build,
+                 "level": level.build, "widths": experiment, "control": lambda: experiment(uniform=True)}
+    ids = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
+                                add_special_tokens=False))
+    per = {name: {"nll": [], "kl": []} for name in factories}
+    began = time.time()
+    for start in args.start:
+        stats = teacher_forced_token_stats(model, ids[start : start + args.tokens], factories, "fp16", 64,
+                                           args.tokens // 2)
+        for name, s in stats.items():
+            per[name]["nll"].append(s.nll)
+            per[name]["kl"].append(s.kl)
+        print(f"window @{start}: {time.time() - began:.0f} s", flush=True)
+    reference = np.concatenate(per["fp16"]["nll"])
+    rows = []
+    for name in factories:
+        delta, se = paired(np.concatenate(per[name]["nll"]), reference)
+        rows.append({"cache": name, "delta_nll": delta, "delta_nll_se": se, "ppl_change": math.expm1(delta),
+                     "mean_kl": float(np.concatenate(per[name]["kl"]).mean())})
+        print(f"{name:8s} Δppl {100 * math.expm1(delta):+.2f}% ±{100 * se:.2f}  KL {rows[-1]['mean_kl']:.4f}")
+    share = np.bincount(np.concatenate([w.ravel() for w in widths.values()]), minlength=7)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "schema": "velox-key-bits-experiment/1", "level": LEVEL + wide, "text": Path(args.text).name,
+            "starts": args.start, "tokens": args.tokens, "widths_count": {str(b): int(c) for b, c in enumerate(share) if c},
+            "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
