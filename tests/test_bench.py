@@ -616,6 +616,22 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(outliers[3 + index], mine[0]) and close(outliers[6 + index], previous[0]), (context, at)
     checked.append(outliers[0])
 
+    prefill = re.search(r"A (\d\d),(\d\d\d)-token prefill into the 3- and 4-bit levels \(keys before\s+RoPE, the "
+                        r"history of each chunk decoded by one kernel\) runs at (\d\.\d\d)× and (\d\.\d\d)× of the "
+                        r"16-bit cache's speed\s+\(`benchmarks/results/prefill-history-kernels-r2-h200.json`\)", section)
+    assert prefill, "README no longer quotes the levels' prefill on the GPU"
+    runs = json.loads((COMMITTED / "prefill-history-kernels-r2-h200.json").read_text())["prefill"]
+    fp16_first = next(r for r in runs if r["spec"] == "fp16")
+    assert fp16_first["context"] == int(prefill[1] + prefill[2])
+    for text, key in ((prefill[3], "3"), (prefill[4], "4")):
+        # the level's first row with the history kernel (as committed: KIVI_BACKENDS holds cuda), against the run's
+        # first fp16 row
+        row = next(r for r in runs if r.get("kernel_constants", {}).get("KIVI_BACKENDS") == ["cuda"]
+                   and KVCacheConfig.parse(r["spec"]).key_bits == int(key))
+        assert "rope=pre" in row["spec"] and "cuda" in dequantize_backends()
+        assert close(text, row["prefill_tok_s"] / fp16_first["prefill_tok_s"]), (key, text)
+    checked.append(prefill[0])
+
     two = re.search(r"The 2-bit level \(clip search, rotated values, a tenth of the\s+layers one bit wider\) loses "
                     r"([+\d.]+) % perplexity\s+on (\d)k-token windows of held-out prose, and ([+\d.]+) % with keys "
                     r"before RoPE, where the 2-bit level it replaced lost\s+([+\d.]+) % and ([+\d.]+) %", section)
@@ -639,6 +655,12 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         rest = rest.replace(text, " ")
     standalone = re.findall(r"(?<![\w.,+-])[+-]?\d[\d,]*(?:\.\d+)?(?![\w-])", rest)
     assert set(standalone) <= {"8"}, f"numbers in README's benchmark section that no check covers: {standalone}"
+
+
+def dequantize_backends() -> tuple[str, ...]:
+    from engine.kvcache.kernels.dequantize import KIVI_BACKENDS
+
+    return KIVI_BACKENDS
 
 
 def test_same_cache_and_with_extra() -> None:
