@@ -80,9 +80,11 @@ def calibrate(model, tokenizer, rope, text: str, tokens: int) -> dict[int, np.nd
     return widths
 
 
-def fake_quantize(keys, widths):  # noqa: ANN001, ANN201
+def fake_quantize(keys, widths, grid: str = "minmax"):  # noqa: ANN001, ANN201
     """`keys` [B, n_kv, T, D] (T whole blocks, before RoPE) quantized per channel and block at `widths` [n_kv, D],
-    each block's one outlier per channel kept as it is."""
+    each block's one outlier per channel kept as it is. `grid`: "minmax" (the block's min-max range in float32),
+    "minmax16" (the same with its scale and bias rounded to float16 and the codes chosen against them), or "mlx"
+    (mx.quantize's own grid, in float32; every channel of a layer at one width)."""
     import mlx.core as mx
 
     from engine.kvcache.quant.outliers import split_block_outliers
@@ -91,11 +93,18 @@ def fake_quantize(keys, widths):  # noqa: ANN001, ANN201
     transposed = keys.astype(mx.float32).swapaxes(-1, -2)                     # [B, H, D, T]
     kept, outliers, index = split_block_outliers(transposed, BLOCK)
     blocks = kept.reshape(b, h, d, t // BLOCK, BLOCK)
-    low = mx.min(blocks, axis=-1, keepdims=True)
-    high = mx.max(blocks, axis=-1, keepdims=True)
-    levels = (2.0 ** mx.array(widths, dtype=mx.float32) - 1)[None, :, :, None, None]
-    step = mx.maximum(high - low, 1e-12) / levels
-    quantized = low + mx.clip(mx.round((blocks - low) / step), 0, levels) * step
+    if grid == "mlx":
+        bits = int(np.unique(widths).item())
+        quantized = mx.dequantize(*mx.quantize(kept, group_size=BLOCK, bits=bits), group_size=BLOCK, bits=bits)
+        quantized = quantized.reshape(blocks.shape)
+    else:
+        low = mx.min(blocks, axis=-1, keepdims=True)
+        high = mx.max(blocks, axis=-1, keepdims=True)
+        levels = (2.0 ** mx.array(widths, dtype=mx.float32) - 1)[None, :, :, None, None]
+        step = mx.maximum(high - low, 1e-12) / levels
+        if grid == "minmax16":
+            low, step = low.astype(mx.float16).astype(mx.float32), step.astype(mx.float16).astype(mx.float32)
+        quantized = low + mx.clip(mx.round((blocks - low) / step), 0, levels) * step
     positions = mx.arange(BLOCK)
     restored = mx.where(positions == index.astype(mx.int32)[..., None], outliers[..., None], quantized)
     return restored.reshape(b, h, d, t).swapaxes(-1, -2)
@@ -107,6 +116,9 @@ def main() -> None:
     parser.add_argument("--start", type=int, action="append", required=True)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--grids", action="store_true",
+                        help="rows fp16 and the control on three grids instead (min-max in float32, min-max with "
+                             "16-bit scale and bias, mx.quantize's)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -128,7 +140,7 @@ def main() -> None:
     holders = {bits: KVCacheBuilder(KVCacheConfig.parse(LEVEL.replace("k3v3", f"k8v{bits}"))).for_model(model)
                for bits in (3, 4)}
 
-    def experiment(uniform: bool = False) -> list:
+    def experiment(uniform: bool = False, grid: str = "minmax") -> list:
         normal, widened = holders[3].build(), holders[4].build()
         caches = [widened[i] if i in WIDE_LAYERS else normal[i] for i in range(len(normal))]
         for layer, cache in enumerate(caches):
@@ -139,7 +151,7 @@ def main() -> None:
 
                 def _encode(self, keys, values):  # noqa: ANN001, ANN202
                     before = self._rope.rotate(keys, self._n_compressed, inverse=True)
-                    coded = fake_quantize(before, self.key_widths)
+                    coded = fake_quantize(before, self.key_widths, grid)
                     return super()._encode(self._rope.rotate(coded, self._n_compressed).astype(keys.dtype), values)
 
             cache.__class__ = Widths
@@ -147,6 +159,10 @@ def main() -> None:
 
     factories = {"fp16": KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build,
                  "level": level.build, "widths": experiment, "control": lambda: experiment(uniform=True)}
+    if args.grids:  # what separates the control from the level: the grid, or its 16-bit scale and bias
+        factories = {"fp16": factories["fp16"], "control": factories["control"],
+                     "control_minmax16": lambda: experiment(uniform=True, grid="minmax16"),
+                     "control_mlx": lambda: experiment(uniform=True, grid="mlx")}
     ids = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
                                 add_special_tokens=False))
     per = {name: {"nll": [], "kl": []} for name in factories}
@@ -168,7 +184,7 @@ def main() -> None:
     share = np.bincount(np.concatenate([w.ravel() for w in widths.values()]), minlength=7)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "schema": "velox-key-bits-experiment/1", "level": LEVEL + wide, "text": Path(args.text).name,
+            "schema": "velox-key-bits-experiment/1", "level": LEVEL + wide, "grids": bool(args.grids), "text": Path(args.text).name,
             "starts": args.start, "tokens": args.tokens, "widths_count": {str(b): int(c) for b, c in enumerate(share) if c},
             "rows": rows}, indent=1))
 
