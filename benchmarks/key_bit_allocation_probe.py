@@ -55,28 +55,14 @@ def block_ranges(keys: np.ndarray) -> np.ndarray:
     return high - low
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", required=True)
-    parser.add_argument("--start", type=int, default=18000)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-
-    from engine.runtime import prepare_runtime
-
-    prepare_runtime()
+def keys_and_weights(model, rope, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: ANN001
+    """Per layer of `model`, after it read `ids` in 64-token chunks through a 16-bit cache: its keys before RoPE
+    [n_kv, T, D] and each key channel's error weight [n_kv, D] (Σ over the kv head's query heads of its RoPE pair's
+    query energy, halved)."""
     import mlx.core as mx
 
     from engine.kvcache import KVCacheBuilder, KVCacheConfig
-    from engine.kvcache.quant.rope import model_rope
-    from engine.models.catalog import load_model
-    from engine.models.default_model import ensure_default_model
 
-    model, tokenizer, _ = load_model(ensure_default_model())
-    rope = model_rope(model)
-    ids = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
-                                add_special_tokens=False))[args.start : args.start + args.tokens]
     caches = KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build()
     energy: dict[int, mx.array] = {}
     cls = type(caches[0])
@@ -95,22 +81,45 @@ def main() -> None:
             mx.eval(model(tokens[:, start : start + 64], cache=caches))
     finally:
         cls.attention = original
+    layers = []
+    for layer, cache in enumerate(caches):
+        keys = np.array(rope.rotate(cache.to_dense()[0], 0, inverse=True))[0]    # [n_kv, T, D], before RoPE
+        q = np.array(energy[layer])                                             # [n_q, D]
+        n_kv, _, dim = keys.shape
+        half = dim // 2
+        paired = q + (q[:, np.r_[half:dim, 0:half]] if not rope.traditional else q[:, np.arange(dim) ^ 1])
+        layers.append((keys, paired.reshape(n_kv, -1, dim).sum(axis=1) / 2))
+    return layers
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--start", type=int, default=18000)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from engine.runtime import prepare_runtime
+
+    prepare_runtime()
+    from engine.kvcache.quant.rope import model_rope
+    from engine.models.catalog import load_model
+    from engine.models.default_model import ensure_default_model
+
+    model, tokenizer, _ = load_model(ensure_default_model())
+    rope = model_rope(model)
+    ids = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
+                                add_special_tokens=False))[args.start : args.start + args.tokens]
     rows = []
     total = {"uniform": 0.0, "static": 0.0, "per_block": 0.0}
     levels_used = np.zeros(len(WIDTHS))
     steps = np.array([(2**b - 1) ** 2 * 12.0 for b in WIDTHS])
-    for layer, cache in enumerate(caches):
-        keys, _ = cache.to_dense()
-        keys = np.array(rope.rotate(keys, 0, inverse=True))[0]            # [n_kv, T, D], before RoPE
-        q = np.array(energy[layer])                                       # [n_q, D]
+    for layer, (keys, weights) in enumerate(keys_and_weights(model, rope, ids)):
         n_kv, _, dim = keys.shape
-        group = q.shape[0] // n_kv
-        half = dim // 2
-        paired = q + (q[:, np.r_[half:dim, 0:half]] if not rope.traditional else q[:, np.arange(dim) ^ 1])
         row = {"layer": layer, "uniform": 0.0, "static": 0.0, "per_block": 0.0}
         for head in range(n_kv):
-            weight = paired[head * group : (head + 1) * group].sum(axis=0) / 2          # [D]
+            weight = weights[head]                                                      # [D]
             ranges = block_ranges(keys[head]) ** 2                                      # [blocks, D]
             costs = weight[None, :, None] * ranges[:, :, None] / steps[None, None, :]   # [blocks, D, widths]
             uniform = costs[:, :, 1].sum()

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from key_bit_allocation_probe import BLOCK, allocate, block_ranges  # noqa: E402
+from key_bit_allocation_probe import BLOCK, allocate, block_ranges, keys_and_weights  # noqa: E402
 from near_lossless import paired  # noqa: E402
 
 LEVEL = "kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rope=pre:rotate_values=true:symmetric_values=true"
@@ -37,43 +37,15 @@ WIDE_LAYERS = (1, 10, 18)
 
 def calibrate(model, tokenizer, rope, text: str, tokens: int) -> dict[int, np.ndarray]:  # noqa: ANN001
     """Per layer, the widths [n_kv, D] of its key channels (3 on average; 4 on WIDE_LAYERS)."""
-    import mlx.core as mx
-
-    from engine.kvcache import KVCacheBuilder, KVCacheConfig
-
     ids = list(tokenizer.encode(Path(text).read_text(encoding="utf-8"), add_special_tokens=False))[:tokens]
-    caches = KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build()
-    energy: dict[int, mx.array] = {}
-    cls = type(caches[0])
-    original = cls.attention
-
-    def recording(self, queries, keys, values, scale, mask):  # noqa: ANN001, ANN202
-        squares = mx.sum(queries.astype(mx.float32) ** 2, axis=2)[0]
-        index = caches.index(self)
-        energy[index] = squares if index not in energy else energy[index] + squares
-        return original(self, queries, keys, values, scale, mask)
-
-    cls.attention = recording
-    try:
-        batch = mx.array(ids)[None]
-        for start in range(0, len(ids), 64):
-            mx.eval(model(batch[:, start : start + 64], cache=caches))
-    finally:
-        cls.attention = original
     widths = {}
-    for layer, cache in enumerate(caches):
-        keys = np.array(rope.rotate(cache.to_dense()[0], 0, inverse=True))[0]
-        q = np.array(energy[layer])
-        n_kv, _, dim = keys.shape
-        group = q.shape[0] // n_kv
-        half = dim // 2
-        paired_q = q + (q[:, np.r_[half:dim, 0:half]] if not rope.traditional else q[:, np.arange(dim) ^ 1])
+    for layer, (keys, weights) in enumerate(keys_and_weights(model, rope, ids)):
+        dim = keys.shape[-1]
         base = 4 if layer in WIDE_LAYERS else 3
         choices = np.array([base - 1, base, base + 1, base + 2])
         steps = (2.0**choices - 1) ** 2 * 12
         rows = []
-        for head in range(n_kv):
-            weight = paired_q[head * group : (head + 1) * group].sum(axis=0) / 2
+        for head, weight in enumerate(weights):
             costs = (weight[:, None] * (block_ranges(keys[head]) ** 2).sum(axis=0)[:, None]) / steps[None, :]
             rows.append(choices[allocate(costs, dim)])
         widths[layer] = np.stack(rows)
