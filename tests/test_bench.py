@@ -620,6 +620,8 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                         r"history of each chunk decoded by one kernel\) runs at (\d\.\d\d)× and (\d\.\d\d)× of the "
                         r"16-bit cache's speed\s+\(`benchmarks/results/prefill-history-kernels-r2-h200.json`\)", section)
     assert prefill, "README no longer quotes the levels' prefill on the GPU"
+    from engine.kvcache.kernels.dequantize import KIVI_BACKENDS
+
     runs = json.loads((COMMITTED / "prefill-history-kernels-r2-h200.json").read_text())["prefill"]
     fp16_first = next(r for r in runs if r["spec"] == "fp16")
     assert fp16_first["context"] == int(prefill[1] + prefill[2])
@@ -628,7 +630,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         # first fp16 row
         row = next(r for r in runs if r.get("kernel_constants", {}).get("KIVI_BACKENDS") == ["cuda"]
                    and KVCacheConfig.parse(r["spec"]).key_bits == int(key))
-        assert "rope=pre" in row["spec"] and "cuda" in dequantize_backends()
+        assert "rope=pre" in row["spec"] and "cuda" in KIVI_BACKENDS
         assert close(text, row["prefill_tok_s"] / fp16_first["prefill_tok_s"]), (key, text)
     checked.append(prefill[0])
 
@@ -655,12 +657,6 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         rest = rest.replace(text, " ")
     standalone = re.findall(r"(?<![\w.,+-])[+-]?\d[\d,]*(?:\.\d+)?(?![\w-])", rest)
     assert set(standalone) <= {"8"}, f"numbers in README's benchmark section that no check covers: {standalone}"
-
-
-def dequantize_backends() -> tuple[str, ...]:
-    from engine.kvcache.kernels.dequantize import KIVI_BACKENDS
-
-    return KIVI_BACKENDS
 
 
 def test_same_cache_and_with_extra() -> None:

@@ -363,6 +363,25 @@ def test_sketch_encode_kernel_takes_long_chunks_only_of_small_sketches(spec: str
     assert launches[before:] == [100] * kernel_launches
 
 
+def _record_history_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The token count of every history-decode launch from now on (kernels.dequantize_history wrapped)."""
+    launches: list[int] = []
+    real = kernels.dequantize_history
+    monkeypatch.setattr(kernels, "dequantize_history", lambda *a, **k: launches.append(a[4]) or real(*a, **k))
+    return launches
+
+
+def _history_pairs(cache, dtype: mx.Dtype, head_dim: int) -> list[tuple[mx.array, mx.array]]:
+    """(the cache's, the reference path's) decoded history keys, then values, in `dtype`; shapes and dtypes checked."""
+    store = cache._compressed_view()
+    got = cache._decoded_history(store, dtype)
+    want = _reference_of(cache)._decoded_history(store, dtype)
+    for out, ref in zip(got, want, strict=True):
+        assert out.shape == ref.shape == (1, N_KV, cache.n_compressed, head_dim)
+        assert out.dtype == ref.dtype == dtype
+    return list(zip(got, want, strict=True))
+
+
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "turboquant:k3v3:g64:w7:s2", "turboquant:k1v1:g64", "rvq:k4v4:g64",
                                   "rvq:k3v3:g64:w3:s1", "affine:k4v4:g64", "affine:k3v3:g32:w5:s3", "rotated:k2v2:g64",
@@ -372,20 +391,13 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
     """The whole compressed history decoded in one launch (what a prefill chunk attends over on a GPU) equals the
     reference decode (codebooks: the same products in float32, then the same casts; affine codes within one unit
     of the 16-bit dtype), and a prefill chunk's attention through the cache takes it."""
-    launches = []
-    real = kernels.dequantize_history
-    monkeypatch.setattr(kernels, "dequantize_history", lambda *a, **k: launches.append(a[4]) or real(*a, **k))
+    launches = _record_history_launches(monkeypatch)
     for head_dim in (64, 128):
         for tokens in (70, 301):
             cache = _filled(spec, tokens, head_dim, 2, seed=tokens + head_dim)
             reference = _reference_of(cache)
-            store = cache._compressed_view()
             for dtype in (mx.float32, mx.float16):
-                got = cache._decoded_history(store, dtype)
-                want = reference._decoded_history(store, dtype)
-                for out, ref in zip(got, want, strict=True):
-                    assert out.shape == ref.shape == (1, N_KV, cache.n_compressed, head_dim)
-                    assert out.dtype == ref.dtype == dtype
+                for out, ref in _history_pairs(cache, dtype, head_dim):
                     error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))
                     if spec.startswith(("turboquant_prod", "qjl")):
                         # Sᵀ·sign summed in another order than MLX's (a float32 matmul, or the kernel's own sums)
@@ -439,19 +451,12 @@ def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
     position; values with or without biases) equals the reference decode within float32 rounding and the sines'
     (MLX's RoPE against the kernel's reduced angle) and the 16-bit dtype it is written in, and a prefill chunk's
     attention through the cache takes it."""
-    launches = []
-    real = kernels.dequantize_history
-    monkeypatch.setattr(kernels, "dequantize_history", lambda *a, **k: launches.append(a[4]) or real(*a, **k))
+    launches = _record_history_launches(monkeypatch)
     for tokens in (200, 1100):
         cache = _filled(spec, tokens, head_dim, 2, seed=tokens, spiked="key_outliers" in spec)
         reference = _reference_of(cache)
-        store = cache._compressed_view()
         for dtype in (mx.float32, mx.bfloat16):
-            got = cache._decoded_history(store, dtype)
-            want = reference._decoded_history(store, dtype)
-            for out, ref in zip(got, want, strict=True):
-                assert out.shape == ref.shape == (1, N_KV, cache.n_compressed, head_dim)
-                assert out.dtype == ref.dtype == dtype
+            for out, ref in _history_pairs(cache, dtype, head_dim):
                 ref32 = ref.astype(mx.float32)
                 # Keys before RoPE: the kernel's angle is position x each pair's angle at position 1 read back from
                 # MLX's RoPE (as the decode pass turns them), ~1e-7 rad off per position: an error relative to the

@@ -438,6 +438,18 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
     assert np.isfinite(excess) and excess <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: {excess}"
 
 
+def _bf16_history_pairs(cache) -> list[tuple[mx.array, mx.array]]:
+    """(the cache's, the reference path's) decoded history keys, then values, in bf16 on this device; the cache must
+    decode it with the history kernel; shapes and dtypes checked."""
+    assert cache._dequantize_launch() is not None
+    store = cache._compressed_view()
+    got = cache._decoded_history(store, mx.bfloat16)
+    want = _reference_of(cache)._decoded_history(store, mx.bfloat16)
+    for out, ref in zip(got, want, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
+    return list(zip(got, want, strict=True))
+
+
 @needs_gpu
 @pytest.mark.parametrize("spec", [*(s for s in PARITY_SPECS if s[0] in ("affine", "rotated", "turboquant", "rvq")),
                                   ("polarquant", 4, 64, 0, 0), ("polarquant", 2, 64, 5, 2),
@@ -458,12 +470,7 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
     method, bits, group, window, sinks, *extra = spec
     for tokens in (70, 4097):
         cache = _filled(method, bits, group, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)
-        assert cache._dequantize_launch() is not None
-        store = cache._compressed_view()
-        got = cache._decoded_history(store, mx.bfloat16)
-        want = _reference_of(cache)._decoded_history(store, mx.bfloat16)
-        for out, ref in zip(got, want, strict=True):
-            assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
+        for out, ref in _bf16_history_pairs(cache):
             error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)) / (mx.abs(ref.astype(mx.float32)) + 1e-3)
             assert float(mx.max(error)) <= (1e-6 if method in ("turboquant", "rvq") else 2**-7), (spec, tokens)
 
@@ -493,12 +500,7 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                     "rope_base": 500000.0, "rope_scale": 1.0, "rope_traditional": layout.endswith("traditional")}
     cache = _filled("kivi", bits, 64, 0, 4 if options else 0, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens,
                     options=options, spiked=bits == 3)
-    assert cache._dequantize_launch() is not None
-    store = cache._compressed_view()
-    got = cache._decoded_history(store, mx.bfloat16)
-    want = _reference_of(cache)._decoded_history(store, mx.bfloat16)
-    for out, ref in zip(got, want, strict=True):
-        assert out.shape == ref.shape and out.dtype == ref.dtype == mx.bfloat16
+    for out, ref in _bf16_history_pairs(cache):
         ref32 = ref.astype(mx.float32)
         largest = mx.max(mx.abs(ref32), axis=-1, keepdims=True) + 1e-3
         error = mx.abs(out.astype(mx.float32) - ref32) / largest
