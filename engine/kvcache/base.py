@@ -485,6 +485,11 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """Bytes of per-layer constants (see `_constant_arrays`)."""
         return 0
 
+    @classmethod
+    def head_constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        """Bytes of per-layer constants held once per kv head (see `_constant_arrays`)."""
+        return 0
+
     def _keys_in(self, keys: mx.array) -> mx.array:
         return keys
 
@@ -561,6 +566,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             n_compressed * compressed
             + (n_sink + n_window) * values_per_token * 16
             + cls.constant_bytes(config, head_dim) * 8 / n_kv_heads
+            + cls.head_constant_bytes(config, head_dim) * 8
         )
         return total_bits / (n_tokens * values_per_token)
 

@@ -78,9 +78,10 @@ class KVCacheBuilder:
         """Validate for `model`; what the config needs from the model is written into it (the method's
         `resolve_for_model`: KIVI's rope=pre gets the model's RoPE). A `wide=F` config that does not name
         its layers gets them here from the layer-sensitivity calibration (cached on disk), so `self.config`
-        names them (`wide_layers`) and re-encoding to it needs no model. Its tokens: `calibration_tokens`; else, with the model's `tokenizer`,
-        the bundled prose; else text the model writes itself (which ranks SmolLM2's layers worse: see
-        layer_sensitivity's module doc). `progress(message, fraction)` hears of a calibration that runs (once
+        names them (`wide_layers`) and re-encoding to it needs no model; likewise `key_widths=calibrated` becomes
+        the digest of the key channel widths measured for the model (engine/kvcache/key_widths.py). Their tokens:
+        `calibration_tokens`; else, with the model's `tokenizer`, the bundled prose; else text the model writes
+        itself (which ranks SmolLM2's layers worse: see layer_sensitivity's module doc). `progress(message, fraction)` hears of a calibration that runs (once
         per model and level; none where a calibration is cached or bundled)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
@@ -98,6 +99,15 @@ class KVCacheBuilder:
             layers = calibrated_wide_layers(model, self.config, calibration_tokens, progress)
             self.config = self.config.with_wide_layers(layers)
         self.config.check_wide_layers(self.shape.n_layers)
+        if self.config.options.get("key_widths") == "calibrated":
+            # After the wide layers: a wide layer's channels share its wider bits. Loaded only when asked for.
+            from engine.kvcache.key_widths import calibrated_key_widths
+            from engine.kvcache.layer_sensitivity import prose_calibration_tokens, self_written_tokens
+
+            if calibration_tokens is None:
+                calibration_tokens = (prose_calibration_tokens(tokenizer) if tokenizer is not None
+                                      else [int(t) for t in self_written_tokens(model, 1, 1024)[0].tolist()])
+            self.config = calibrated_key_widths(model, self.config, calibration_tokens, progress)
         return self
 
     def for_shape(self, shape: ModelShape) -> KVCacheBuilder:

@@ -98,6 +98,16 @@ The residual of each outlier against its decoded entry is what is stored, so att
 token's score per channel and block: on the reference path one scatter-add after `mx.quantized_matmul`, in the decode
 kernel's tiled pass once per channel and tile as it stages the tile (`kernels/decode.py`, OUTLIER_BACKENDS).
 
+Option `key_widths=calibrated` stores the key channels at different widths around the key bits (2-5 bits averaging 3
+in a 3-bit layer), the bits going where the queries lean and the keys range most (`quant/channel_widths.py`; the
+importance is measured on the model by `engine/kvcache/key_widths.py`, and the builder writes the table's digest in
+the spec, key_widths=kw...). Every kv head of a layer has the same count of channels at each width, so each width's
+channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same scales, biases and outliers per
+channel and block as plain KIVI, so the bits are the spec's), stored in a per-head channel order; attention gathers
+the query's channels into that order once and adds one `mx.quantized_matmul` per width. The order and its inverse are
+per-layer constants, counted; a saved cache holds its layer's widths. The decode kernels do not read mixed widths
+yet: on a GPU such a cache attends through MLX (and rope=auto keeps the keys as given).
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -106,11 +116,13 @@ manages its own store layout: `_append_compressed`, `_compressed_view`, `capacit
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import astuple, fields, replace
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from engine.errors import ConfigError
 from engine.kvcache import kernels as _kernels
@@ -129,6 +141,7 @@ from engine.kvcache.methods.affine import (
     symmetric_quantize,
     with_symmetric_biases,
 )
+from engine.kvcache.quant.channel_widths import WidthClasses, width_choices
 from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize, grid_table
 from engine.kvcache.quant.outliers import (
     OUTLIER_INDEX_BITS,
@@ -142,8 +155,24 @@ from engine.kvcache.quant.rope import RopeParameters, model_rope
 from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rotation
 from engine.kvcache.registry import register_method
 
-# Arrays with the token axis last (per-channel keys); every other store array has it at -2.
-KEY_PARTS = ("key_codes", "key_scales", "key_biases", "key_outlier_residuals", "key_outlier_index")
+# The key arrays (key_*) have the token axis last (per-channel keys); every other store array has it at -2. With
+# key_widths each width's channels have their own arrays, named with the width: key_codes_w3, key_scales_w3, ...
+_WIDTH_SUFFIX = re.compile(r"_w(\d+)$")
+
+# Option key_widths: key channels at different widths (quant/channel_widths.py); `calibrated` asks the builder to
+# measure them (engine/kvcache/key_widths.py), which writes the table's digest (kw...) in its place.
+KEY_WIDTHS_OPTION = "key_widths"
+KEY_WIDTHS_CALIBRATED = "calibrated"
+
+
+def _is_key_part(name: str) -> bool:
+    return name.startswith("key_")
+
+
+def _width_store(store: dict[str, mx.array], width: int) -> dict[str, mx.array]:
+    """The arrays of one width's key channels under the plain names (key_codes, ...), as the affine ops read them."""
+    suffix = f"_w{width}"
+    return {name[: -len(suffix)]: array for name, array in store.items() if name.endswith(suffix)}
 
 # Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
 # option per RopeParameters field, in its order.
@@ -223,6 +252,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     _value_rotation: Rotation | PlainHadamard | None = None
     # The model's RoPE where the compressed keys are stored before it (option rope=pre), else None.
     _rope: RopeParameters | None = None
+    # Option key_widths: each kv head's channels in storage order [n_kv, D] and its inverse, each width's rows, and
+    # why they are missing where the table is not on this machine (set by `_setup`, or by a saved state).
+    _key_order: mx.array | None = None
+    _key_inverse: mx.array | None = None
+    _width_classes: tuple[tuple[int, int, int], ...] | None = None
+    _key_widths_missing: str | None = None
 
     @property
     def token_block(self) -> int:  # type: ignore[override]
@@ -270,7 +305,27 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 f"not {block}."
             )
         cls.check_rope(config, head_dim)
+        cls.check_key_widths(config)
         cls.check_wide(config, head_dim)
+
+    @classmethod
+    def check_key_widths(cls, config: KVCacheConfig) -> None:
+        """Option key_widths: `calibrated`, or the digest the builder wrote for it; at key bits with a narrower and a
+        wider code around them; not with a key grid (whose levels are per width)."""
+        from engine.kvcache.key_widths import is_digest  # imported here: it imports the builder
+
+        option = config.options.get(KEY_WIDTHS_OPTION)
+        if option is None:
+            return
+        if option != KEY_WIDTHS_CALIBRATED and not is_digest(option):
+            raise ConfigError("Method 'kivi' takes key_widths=calibrated (the builder then writes its calibration's "
+                              f"digest, key_widths=kw...), not {option!r}.")
+        choices = width_choices(config.key_bits)
+        if len(choices) < 2 or choices[0] >= config.key_bits:
+            raise ConfigError(f"Method 'kivi' takes key_widths at 3, 4, 5 or 6 key bits (a narrower and a wider code "
+                              f"around them), not {config.key_bits}.")
+        if cls.grid_of(config, "key") is not None:
+            raise ConfigError("Method 'kivi' takes key_widths or a key_grid, not both.")
 
     @classmethod
     def check_rope(cls, config: KVCacheConfig, head_dim: int) -> None:
@@ -317,6 +372,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         else keys before RoPE would make every decode step decode the whole history."""
         if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
             return "kernels are off"
+        if KEY_WIDTHS_OPTION in config.options:
+            return "the decode kernel does not read key channels at different widths (key_widths) yet"
         if _kernels.available_backend() is None:
             return f"no GPU decode kernel turns keys on the default device ({mx.default_device()})"
         try:
@@ -471,11 +528,86 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             self._value_rotation = PlainHadamard(v_head_dim)
         elif self.rotates_values(self.config):
             self._value_rotation = make_rotation(v_head_dim, self.config.seed + self.layer_index, self.config.rotation)
+        self._setup_key_widths()
+
+    def _setup_key_widths(self) -> None:
+        """This layer's key channel widths (option key_widths) from its calibration's table, where this process or
+        this machine has it; a saved cache brings its own (`_load_extra_state`), so a missing table is an error only
+        when the cache is used without one (`_width_rows`)."""
+        # Imported here: key_widths imports the builder, which imports the methods.
+        from engine.kvcache.key_widths import key_widths_table
+
+        self._key_order = self._key_inverse = None
+        self._width_classes = None
+        self._key_widths_missing = None
+        option = self.config.options.get(KEY_WIDTHS_OPTION)
+        if option is None:
+            return
+        if option == KEY_WIDTHS_CALIBRATED:
+            raise ConfigError("A KIVI cache with key_widths=calibrated needs its model's calibration: build it with "
+                              "KVCacheBuilder(config).for_model(model).")
+        try:
+            table = key_widths_table(option)
+        except ConfigError as error:
+            self._key_widths_missing = str(error)
+            return
+        if self.layer_index >= len(table):
+            raise ConfigError(f"The key width calibration {option} has {len(table)} layers; this is layer "
+                              f"{self.layer_index}.")
+        self._set_key_widths(table[self.layer_index])
+
+    def _set_key_widths(self, widths: np.ndarray) -> None:
+        expected = (self._n_kv_heads, self._k_head_dim)
+        if tuple(widths.shape) != expected:
+            raise ConfigError(f"Key channel widths shaped {tuple(widths.shape)} do not fit {expected[0]} kv heads of "
+                              f"{expected[1]} channels.")
+        try:
+            classes = WidthClasses.of(widths, self.config.key_bits)
+        except ValueError as error:
+            raise ConfigError(f"Layer {self.layer_index}'s key channel widths: {error}") from error
+        dtype = mx.uint8 if self._k_head_dim <= 256 else mx.uint16
+        self._key_order = mx.array(classes.order, dtype=dtype)
+        self._key_inverse = mx.array(classes.inverse, dtype=dtype)
+        self._width_classes = classes.rows
+        self._key_widths_missing = None
+
+    @property
+    def _width_rows(self) -> tuple[tuple[int, int, int], ...] | None:
+        """(width, first row, end row) of each width's channels in storage order, or None (one width)."""
+        if self._key_widths_missing is not None:
+            raise ConfigError(self._key_widths_missing)
+        return self._width_classes
+
+    def _layer_widths(self) -> np.ndarray:
+        """[n_kv, D] uint8: each key channel's width (from the storage order and the widths' rows)."""
+        assert self._key_order is not None and self._width_classes is not None
+        by_row = np.zeros(self._k_head_dim, dtype=np.uint8)
+        for width, start, end in self._width_classes:
+            by_row[start:end] = width
+        widths = np.empty((self._n_kv_heads, self._k_head_dim), dtype=np.uint8)
+        np.put_along_axis(widths, np.array(self._key_order).astype(np.int64),
+                          np.broadcast_to(by_row, widths.shape), axis=1)
+        return widths
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {} if self._key_order is None else {"key_widths": mx.array(self._layer_widths())}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        if "key_widths" in extra:
+            self._set_key_widths(np.array(extra["key_widths"]))
 
     def _constant_arrays(self) -> list[mx.array]:
-        if isinstance(self._value_rotation, Rotation):
-            return rotation_arrays(self._value_rotation)
-        return []
+        arrays = rotation_arrays(self._value_rotation) if isinstance(self._value_rotation, Rotation) else []
+        if self._key_order is not None:
+            arrays += [self._key_order, self._key_inverse]
+        return arrays
+
+    @classmethod
+    def head_constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        # key_widths: each kv head's channel order and its inverse.
+        if KEY_WIDTHS_OPTION not in config.options:
+            return 0
+        return 2 * head_dim * (1 if head_dim <= 256 else 2)
 
     # Values live rotated in the cache (sinks and window too), so attention's output is in the rotated space.
     def _values_in(self, values: mx.array) -> mx.array:
@@ -515,21 +647,17 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         keys_transposed = keys.swapaxes(-1, -2)
-        found = None
-        if self.config.options.get("key_outliers", 0):
-            keys_transposed, outliers, index = split_block_outliers(keys_transposed, self.token_block)
-            found = (outliers, index)
-        key_store = (
-            quantize(keys_transposed, "key", self.token_block, self.config.key_bits)
-            if key_grid is None
-            else grid_quantize(keys_transposed, "key", self.token_block, self.config.key_bits, key_grid)
-        )
-        if found is not None:
-            # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
-            # token's score on top of the codes it reads anyway.
-            decoded = affine_dequantize(key_store, "key", self.token_block, self.config.key_bits, float32_scales=True)
-            key_store["key_outlier_residuals"] = block_residuals(decoded, found[0], found[1], self.token_block)
-            key_store["key_outlier_index"] = found[1]
+        rows = self._width_rows
+        if rows is None:
+            key_store = self._encode_keys(keys_transposed, self.config.key_bits, quantize, key_grid)
+        else:  # key_widths: each width's channels (in storage order) quantized at that width
+            assert self._key_order is not None
+            ordered = mx.take_along_axis(keys_transposed, self._key_order[None, :, :, None], axis=-2)
+            key_store = {
+                f"{name}_w{width}": array
+                for width, start, end in rows
+                for name, array in self._encode_keys(ordered[..., start:end, :], width, quantize, None).items()
+            }
         return {
             **(
                 value_quantize(values, "value", group_size, self.config.value_bits)
@@ -538,6 +666,42 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             ),
             **key_store,
         }
+
+    def _encode_keys(self, keys_transposed: mx.array, bits: int, quantize: Any, grid: str | None) -> dict[str, mx.array]:
+        """Kᵀ [.., D, T] quantized per channel over key blocks at `bits` (with each block's outlier aside, option
+        key_outliers), as the store's key entries."""
+        found = None
+        if self.config.options.get("key_outliers", 0):
+            keys_transposed, outliers, index = split_block_outliers(keys_transposed, self.token_block)
+            found = (outliers, index)
+        key_store = (
+            quantize(keys_transposed, "key", self.token_block, bits)
+            if grid is None
+            else grid_quantize(keys_transposed, "key", self.token_block, bits, grid)
+        )
+        if found is not None:
+            # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
+            # token's score on top of the codes it reads anyway.
+            decoded = affine_dequantize(key_store, "key", self.token_block, bits, float32_scales=True)
+            key_store["key_outlier_residuals"] = block_residuals(decoded, found[0], found[1], self.token_block)
+            key_store["key_outlier_index"] = found[1]
+        return key_store
+
+    def _plain_keys(self, store: dict[str, mx.array], *, float32_scales: bool) -> mx.array:
+        """Decoded Kᵀ [.., D, T] of affine keys (no grid), outliers restored; key_widths: every width's channels
+        decoded at its width, then put back in channel order."""
+        rows = self._width_rows
+        if rows is None:
+            return self._with_outliers(store, affine_dequantize(
+                store, "key", self.token_block, self.config.key_bits, float32_scales=float32_scales))
+        assert self._key_inverse is not None
+        parts = []
+        for width, _, _ in rows:
+            part = _width_store(store, width)
+            parts.append(self._with_outliers(part, affine_dequantize(
+                part, "key", self.token_block, width, float32_scales=float32_scales)))
+        ordered = mx.concatenate(parts, axis=-2)
+        return mx.take_along_axis(ordered, self._key_inverse[None, :, :, None], axis=-2)
 
     def _readable(self, store: dict[str, mx.array]) -> dict[str, mx.array]:
         """`store` as MLX's affine operations and the decode kernel read it: with the values' biases derived from
@@ -568,9 +732,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         store = self._readable(store)
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is None:
-            keys_transposed = self._with_outliers(store, affine_dequantize(
-                store, "key", self.token_block, self.config.key_bits, float32_scales=False
-            ))
+            keys_transposed = self._plain_keys(store, float32_scales=False)
         values = self._grid_decode(store, "value")
         if values is None:
             values = affine_dequantize(store, "value", group_size, self.config.value_bits, float32_scales=False)
@@ -583,10 +745,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is not None:
             return keys_transposed.swapaxes(-1, -2)
-        keys_transposed = affine_dequantize(
-            store, "key", self.token_block, self.config.key_bits, float32_scales=True
-        )
-        return self._with_outliers(store, keys_transposed).swapaxes(-1, -2)
+        return self._plain_keys(store, float32_scales=True).swapaxes(-1, -2)
 
     # Compressed token i is at position i: KIVI keeps the sinks' copies in its stream (`sinks_in_stream`), so
     # the stream starts at position 0.
@@ -616,7 +775,21 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         keys_transposed = self._grid_decode(store, "key")
         if keys_transposed is not None:  # no quantized_matmul reads a grid: decode, then multiply
             return queries.astype(mx.float32) @ keys_transposed
-        scores = affine_matmul(queries, store, "key", self.token_block, self.config.key_bits, transpose=False)
+        rows = self._width_rows
+        if rows is None:
+            return self._plain_scores(queries, store, self.config.key_bits)
+        # key_widths: the queries' channels gathered into the keys' storage order once, one product per width.
+        assert self._key_order is not None
+        ordered = mx.take_along_axis(queries, self._key_order[None, :, None, :], axis=-1)
+        scores = None
+        for width, start, end in rows:
+            part = self._plain_scores(ordered[..., start:end], _width_store(store, width), width).astype(mx.float32)
+            scores = part if scores is None else scores + part
+        assert scores is not None
+        return scores
+
+    def _plain_scores(self, queries: mx.array, store: dict[str, mx.array], bits: int) -> mx.array:
+        scores = affine_matmul(queries, store, "key", self.token_block, bits, transpose=False)
         if "key_outlier_residuals" in store:  # each block's outlier: one product added to one token's score
             scores = scatter_block_scores(scores, queries, store["key_outlier_residuals"], store["key_outlier_index"],
                                           self.token_block)
@@ -635,6 +808,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
+        if self._width_rows is not None:
+            return None  # no decode kernel reads key channels at different widths yet
         # The store's own arrays, never derived ones: the plan that holds them lives while blocks are appended in place
         # (symmetric values: the kernel derives each bias from the scales; the placeholder where the biases would be
         # is never read, see Codec.symmetric).
@@ -657,8 +832,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _key_units(self, name: str, n_tokens: int) -> int:
         """Length along the last axis of key array `name` for `n_tokens` tokens (a multiple of G)."""
-        if name == "key_codes":
-            return n_tokens * self.config.key_bits // 32
+        if name.startswith("key_codes"):
+            width = _WIDTH_SUFFIX.search(name)
+            return n_tokens * (self.config.key_bits if width is None else int(width.group(1))) // 32
         return n_tokens // self.token_block
 
     def _slice_store(self, store: dict[str, mx.array], start: int, end: int) -> dict[str, mx.array]:
@@ -666,7 +842,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return {
             name: (
                 array[..., self._key_units(name, start) : self._key_units(name, end)]
-                if name in KEY_PARTS
+                if _is_key_part(name)
                 else array[..., start:end, :]
             )
             for name, array in store.items()
@@ -685,7 +861,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             grown = {}
             for name, part in chunk.items():
                 old = None if self._store is None else self._store[name]
-                if name in KEY_PARTS:
+                if _is_key_part(name):
                     buffer = mx.zeros(
                         (*part.shape[:-1], self._key_units(name, new_capacity)), dtype=part.dtype
                     )
@@ -696,7 +872,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                     grown[name] = _grow_to(old, used, needed, self.step, like=part)
             self._store = grown
         for name, part in chunk.items():
-            if name in KEY_PARTS:
+            if _is_key_part(name):
                 self._store[name][..., self._key_units(name, used) : self._key_units(name, needed)] = part
             else:
                 self._store[name][..., used:needed, :] = part
