@@ -554,6 +554,44 @@ def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
         KVCacheConfig("kivi", 4, options={"clip_search": "yes"}).validate(64)
 
 
+def test_kivi_minmax_keys_keep_every_entry_within_half_a_step_in_the_same_layout() -> None:
+    """minmax_keys: each key block over its exact min..max, so no entry is further than half a step (range/(2^b-1))/2
+    from its code; mx.quantize's grid (zero on a code) widens the step and leaves entries further off. Same arrays,
+    read by quantized_matmul as they decode."""
+    from engine.kvcache.methods.affine import affine_dequantize, affine_quantize, minmax_quantize
+
+    # Channels with offsets, as keys have: blocks not centred on zero.
+    keys = mx.random.uniform(-5.7, 4.1, (2, 3, 64, 256), key=mx.random.key(8)) + mx.arange(64).reshape(64, 1) % 5
+    for bits in (2, 3, 4):
+        exact, mlx_grid = minmax_quantize(keys, "k", 128, bits), affine_quantize(keys, "k", 128, bits)
+        assert {n: (a.shape, a.dtype) for n, a in exact.items()} == {n: (a.shape, a.dtype) for n, a in mlx_grid.items()}
+        blocks = keys.reshape(2, 3, 64, 2, 128)
+        half_step = ((blocks.max(-1) - blocks.min(-1)) / ((1 << bits) - 1) / 2)[..., None]
+        for stored, within in ((exact, True), (mlx_grid, False)):
+            error = mx.abs(affine_dequantize(stored, "k", 128, bits, float32_scales=True) - keys).reshape(blocks.shape)
+            assert mx.all(error <= half_step * (1 + 1e-5) + 1e-6).item() is within, bits
+    queries = mx.random.normal((2, 3, 5, 64), key=mx.random.key(9))
+    decoded = affine_dequantize(exact, "k", 128, 4, float32_scales=True)
+    on_codes = mx.quantized_matmul(queries, exact["k_codes"], exact["k_scales"], exact["k_biases"], transpose=False,
+                                   group_size=128, bits=4)
+    assert relative_error(on_codes, queries @ decoded) < 1e-5
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, seed=25, outlier_channels=(2, 9))
+    caches = {m: filled(make_cache("kivi", 3, group_size=64, options={"minmax_keys": m, "key_block": 128}), keys, values)
+              for m in (False, True)}
+    assert caches[True].nbytes == caches[False].nbytes == array_bytes(caches[True])
+    # In the cache too (a block's entries within half its step, up to the 16-bit scale's rounding); on Gaussian keys
+    # the mean error is not lower: mx.quantize's code at zero suits zero-centred blocks.
+    blocks = keys[..., :256, :].swapaxes(-1, -2).reshape(1, 2, 64, 2, 128)
+    half_step = ((blocks.max(-1) - blocks.min(-1)) / 7 / 2)[..., None]
+    for m, cache in caches.items():
+        decoded = cache.to_dense()[0][..., :256, :].swapaxes(-1, -2).reshape(blocks.shape)
+        assert mx.all(mx.abs(decoded - blocks) <= half_step * 1.01 + 1e-3).item() is m
+    assert get_method("kivi").kernel_declines(KVCacheConfig.parse("kivi:k3v3:g64:minmax_keys=true")) is None
+    for options in ({"minmax_keys": 1}, {"minmax_keys": True, "clip_search": True}):
+        with pytest.raises(ConfigError, match="minmax_keys"):
+            KVCacheConfig("kivi", 3, options=options).validate(64)
+
+
 def test_kivi_key_outliers_keep_each_blocks_widest_entry_in_16_bits() -> None:
     """key_outliers=1: per key channel and block, the entry whose removal shrinks the range most comes back at 16-bit
     precision (its residual against the decoded entry is stored) and the block's other entries decode closer (a

@@ -108,6 +108,10 @@ the query's channels into that order once and adds one `mx.quantized_matmul` per
 per-layer constants, counted; a saved cache holds its layer's widths. The decode kernels do not read mixed widths
 yet: on a GPU such a cache attends through MLX (and rope=auto keeps the keys as given).
 
+Option `minmax_keys` (true/false; default false) quantizes each key channel's block over its exact min..max
+(`minmax_quantize`) where `mx.quantize` keeps the block's larger-magnitude end exact and widens the step until zero
+is a code. Same arrays and layout: every reader, the decode kernels included, reads them unchanged.
+
 Keys therefore have their token axis last, unlike the base class's "token axis -2" store, so this class
 manages its own store layout: `_append_compressed`, `_compressed_view`, `capacity`, `trim` and
 `iter_dense` are overridden. Value arrays keep the base layout.
@@ -138,6 +142,7 @@ from engine.kvcache.methods.affine import (
     affine_matmul,
     affine_quantize,
     check_channel_groups,
+    minmax_quantize,
     symmetric_quantize,
     with_symmetric_biases,
 )
@@ -293,6 +298,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if symmetric and (config.options.get("clip_search", False) or cls.grid_of(config, "value") is not None):
             raise ConfigError("Method 'kivi' takes symmetric_values without clip_search or a value_grid (each "
                               "chooses its own scale and bias).")
+        minmax = config.options.get("minmax_keys", False)
+        if not isinstance(minmax, bool):
+            raise ConfigError("Method 'kivi' takes minmax_keys=true or minmax_keys=false.")
+        if minmax and (config.options.get("clip_search", False) or cls.grid_of(config, "key") is not None):
+            raise ConfigError("Method 'kivi' takes minmax_keys without clip_search or a key_grid (each chooses the "
+                              "keys' scales and biases its own way).")
         outliers = config.options.get("key_outliers", 0)
         if isinstance(outliers, bool) or outliers not in (0, 1):
             raise ConfigError(f"Method 'kivi' takes key_outliers=0 or key_outliers=1, not {outliers!r}.")
@@ -642,6 +653,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         group_size = self.config.group_size
         quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
         value_quantize = symmetric_quantize if self.config.options.get("symmetric_values", False) else quantize
+        if self.config.options.get("minmax_keys", False):
+            quantize = minmax_quantize
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
