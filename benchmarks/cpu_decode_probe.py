@@ -42,7 +42,7 @@ def main() -> None:
     ids = ids[2000 : 2000 + args.tokens]
     rows = []
     for spec in args.specs.split(","):
-        caches = KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model).build()
+        caches = KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model, tokenizer=tokenizer).build()
         for start in range(0, len(ids), 512):
             mx.eval(model(mx.array([ids[start : start + 512]]), cache=caches))
         token = mx.array([[ids[-1]]])

@@ -35,8 +35,10 @@ LEVEL = "kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rope=pre:rotate_values=tr
 WIDE_LAYERS = (1, 10, 18)
 
 
-def calibrate(model, tokenizer, rope, text: str, tokens: int) -> dict[int, np.ndarray]:  # noqa: ANN001
-    """Per layer, the widths [n_kv, D] of its key channels (3 on average; 4 on WIDE_LAYERS)."""
+def calibrate(model, tokenizer, rope, text: str, tokens: int, shared: bool = False) -> dict[int, np.ndarray]:  # noqa: ANN001
+    """Per layer, the widths [n_kv, D] of its key channels (3 on average; 4 on WIDE_LAYERS). `shared`: every kv head
+    of a layer gets the same number of channels at each width (its channels ranked by importance, the ranks' summed
+    importance allocated), which a cache storing one code array per width needs."""
     ids = list(tokenizer.encode(Path(text).read_text(encoding="utf-8"), add_special_tokens=False))[:tokens]
     widths = {}
     for layer, (keys, weights) in enumerate(keys_and_weights(model, rope, ids)):
@@ -44,11 +46,17 @@ def calibrate(model, tokenizer, rope, text: str, tokens: int) -> dict[int, np.nd
         base = 4 if layer in WIDE_LAYERS else 3
         choices = np.array([base - 1, base, base + 1, base + 2])
         steps = (2.0**choices - 1) ** 2 * 12
-        rows = []
-        for head, weight in enumerate(weights):
-            costs = (weight[:, None] * (block_ranges(keys[head]) ** 2).sum(axis=0)[:, None]) / steps[None, :]
-            rows.append(choices[allocate(costs, dim)])
-        widths[layer] = np.stack(rows)
+        importance = np.stack([weight * (block_ranges(keys[head]) ** 2).sum(axis=0)
+                               for head, weight in enumerate(weights)])          # [n_kv, D]
+        if shared:
+            order = np.argsort(-importance, axis=1, kind="stable")
+            ranked = np.take_along_axis(importance, order, axis=1).sum(axis=0)  # [D]: rank r's importance
+            by_rank = choices[allocate(ranked[:, None] / steps[None, :], dim)]
+            rows = np.empty_like(order)
+            np.put_along_axis(rows, order, np.broadcast_to(by_rank, order.shape), axis=1)
+        else:
+            rows = np.stack([choices[allocate(row[:, None] / steps[None, :], dim)] for row in importance])
+        widths[layer] = rows
     return widths
 
 
@@ -91,6 +99,11 @@ def main() -> None:
     parser.add_argument("--grids", action="store_true",
                         help="rows fp16 and the control on three grids instead (min-max in float32, min-max with "
                              "16-bit scale and bias, mx.quantize's)")
+    parser.add_argument("--shared", action="store_true",
+                        help="widths rows: every kv head of a layer at the same count of channels per width")
+    parser.add_argument("--widths-grid", default="minmax", choices=("minmax", "minmax16"),
+                        help="the widths rows' grid (minmax16: 16-bit scale and bias, as a cache stores them)")
+    parser.add_argument("--rows", help="comma-separated rows to run besides fp16 (default: all)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -106,7 +119,7 @@ def main() -> None:
     model, tokenizer, _ = load_model(ensure_default_model())
     rope = model_rope(model)
     widths = calibrate(model, tokenizer, rope, str(ROOT / "engine" / "kvcache" / "calibration_prose.txt"),
-                       args.calibration_tokens)
+                       args.calibration_tokens, shared=args.shared)
     wide = ":wide=0.1:wide_layers=L" + ".".join(map(str, WIDE_LAYERS))
     level = KVCacheBuilder(KVCacheConfig.parse(LEVEL + wide)).for_model(model)
     holders = {bits: KVCacheBuilder(KVCacheConfig.parse(LEVEL.replace("k3v3", f"k8v{bits}"))).for_model(model)
@@ -130,11 +143,13 @@ def main() -> None:
         return caches
 
     factories = {"fp16": KVCacheBuilder(KVCacheConfig.parse("fp16")).for_model(model).build,
-                 "level": level.build, "widths": experiment, "control": lambda: experiment(uniform=True)}
+                 "level": level.build, "widths": lambda: experiment(grid=args.widths_grid), "control": lambda: experiment(uniform=True)}
     if args.grids:  # what separates the control from the level: the grid, or its 16-bit scale and bias
         factories = {"fp16": factories["fp16"], "control": factories["control"],
                      "control_minmax16": lambda: experiment(uniform=True, grid="minmax16"),
                      "control_mlx": lambda: experiment(uniform=True, grid="mlx")}
+    if args.rows:
+        factories = {name: make for name, make in factories.items() if name == "fp16" or name in args.rows.split(",")}
     ids = list(tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"),
                                 add_special_tokens=False))
     per = {name: {"nll": [], "kl": []} for name in factories}
@@ -156,7 +171,8 @@ def main() -> None:
     share = np.bincount(np.concatenate([w.ravel() for w in widths.values()]), minlength=7)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "schema": "velox-key-bits-experiment/1", "level": LEVEL + wide, "grids": bool(args.grids), "text": Path(args.text).name,
+            "schema": "velox-key-bits-experiment/1", "level": LEVEL + wide, "grids": bool(args.grids),
+            "shared": bool(args.shared), "widths_grid": args.widths_grid, "text": Path(args.text).name,
             "starts": args.start, "tokens": args.tokens, "widths_count": {str(b): int(c) for b, c in enumerate(share) if c},
             "rows": rows}, indent=1))
 

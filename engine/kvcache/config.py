@@ -48,6 +48,8 @@ Method options in use (each method's `check_config` says which it reads):
                                  saved or re-encoded cache needs no model; a model without plain RoPE is refused
       rope=auto                  kivi: rope=pre where a GPU decode kernel turns the keys, keys as given elsewhere
                                  (no error); the builder resolves it for the model and the device
+      minmax_keys=true           kivi: each key block over its exact min..max (mx.quantize's layout; its own grid
+                                 widens the step until zero is a code)
       key_widths=calibrated      kivi: key channels at different widths averaging the key bits (2-5 bits in a
                                  3-bit layer), chosen by a calibration pass on the model
                                  (engine/kvcache/key_widths.py); the builder writes the table's digest in its
