@@ -13,6 +13,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method
 from engine.kvcache import key_widths as calibration
+from engine.kvcache.layer_sensitivity import calibration_dir
 from engine.kvcache.quant.channel_widths import WidthClasses, allocate_widths, width_choices
 from engine.planning.memory import array_bytes
 from tests.kvcache_helpers import (
@@ -115,7 +116,7 @@ def test_the_builder_writes_a_digest_whose_table_is_kept_on_disk() -> None:
     model, builder = _built(SPEC)
     digest = builder.config.options["key_widths"]
     assert calibration.is_digest(digest)
-    saved = json.loads((calibration.calibration_dir() / f"key_widths-{digest}.json").read_text())
+    saved = json.loads((calibration_dir() / f"key_widths-{digest}.json").read_text())
     assert saved["digest"] == digest and len(saved["widths"]) == 2
     assert KVCacheConfig.parse(str(builder.config)) == builder.config
     # Built again for the same model and tokens: read back, not measured again.

@@ -81,8 +81,9 @@ class KVCacheBuilder:
         names them (`wide_layers`) and re-encoding to it needs no model; likewise `key_widths=calibrated` becomes
         the digest of the key channel widths measured for the model (engine/kvcache/key_widths.py). Their tokens:
         `calibration_tokens`; else, with the model's `tokenizer`, the bundled prose; else text the model writes
-        itself (which ranks SmolLM2's layers worse: see layer_sensitivity's module doc). `progress(message, fraction)` hears of a calibration that runs (once
-        per model and level; none where a calibration is cached or bundled)."""
+        itself (which ranks SmolLM2's layers worse: see layer_sensitivity's module doc). `progress(message,
+        fraction)` hears of a calibration that runs (once per model and level; none where a calibration is cached or
+        bundled)."""
         self.shape = model_shape(model)
         self.config = self.config.validate(self.shape.head_dim)
         method = get_method(self.config.method)

@@ -33,16 +33,16 @@ from engine.errors import ConfigError
 from engine.kvcache.attention import install_attention_dispatch
 from engine.kvcache.builder import model_shape
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.layer_sensitivity import calibration_dir
 from engine.kvcache.quant.channel_widths import allocate_widths
 from engine.kvcache.quant.outliers import split_block_outliers
 from engine.kvcache.quant.rope import RopeParameters, model_rope
 from engine.kvcache.quant.vq import model_identity, weights_fingerprint
 from engine.kvcache.registry import get_method
-from engine.paths import data_dir, make_private_file, private_dir
+from engine.paths import data_dir, make_private_file
 
 SCHEMA = "velox-key-widths/1"
 OPTION = "key_widths"
-CALIBRATED = "calibrated"
 DIGEST_PREFIX = "kw"
 # Tokens per forward call of the calibration pass (the sums do not depend on it; memory does).
 CHUNK_TOKENS = 256
@@ -70,10 +70,6 @@ def register_table(widths: Sequence[np.ndarray]) -> str:
     digest = table_digest(table)
     _TABLES[digest] = table
     return digest
-
-
-def calibration_dir() -> Path:
-    return private_dir(data_dir() / "calibration")
 
 
 def _read(path: Path) -> dict[str, Any] | None:

@@ -292,18 +292,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             check_grid(grid, bits)
             if config.options.get("clip_search", False):
                 raise ConfigError("Method 'kivi' takes clip_search or a grid (key_grid, value_grid), not both.")
-        symmetric = config.options.get("symmetric_values", False)
-        if not isinstance(symmetric, bool):
-            raise ConfigError("Method 'kivi' takes symmetric_values=true or symmetric_values=false.")
-        if symmetric and (config.options.get("clip_search", False) or cls.grid_of(config, "value") is not None):
-            raise ConfigError("Method 'kivi' takes symmetric_values without clip_search or a value_grid (each "
-                              "chooses its own scale and bias).")
-        minmax = config.options.get("minmax_keys", False)
-        if not isinstance(minmax, bool):
-            raise ConfigError("Method 'kivi' takes minmax_keys=true or minmax_keys=false.")
-        if minmax and (config.options.get("clip_search", False) or cls.grid_of(config, "key") is not None):
-            raise ConfigError("Method 'kivi' takes minmax_keys without clip_search or a key_grid (each chooses the "
-                              "keys' scales and biases its own way).")
+        # Each of these chooses a role's scales and biases its own way, as clip_search and a grid do.
+        cls._check_own_scales(config, "symmetric_values", "value", "chooses its own scale and bias")
+        cls._check_own_scales(config, "minmax_keys", "key", "chooses the keys' scales and biases its own way")
         outliers = config.options.get("key_outliers", 0)
         if isinstance(outliers, bool) or outliers not in (0, 1):
             raise ConfigError(f"Method 'kivi' takes key_outliers=0 or key_outliers=1, not {outliers!r}.")
@@ -318,6 +309,16 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         cls.check_rope(config, head_dim)
         cls.check_key_widths(config)
         cls.check_wide(config, head_dim)
+
+    @classmethod
+    def _check_own_scales(cls, config: KVCacheConfig, option: str, role: str, why: str) -> None:
+        """Boolean option `option`, which chooses `role`'s scales and biases itself: not with clip_search or a grid
+        of that role."""
+        chosen = config.options.get(option, False)
+        if not isinstance(chosen, bool):
+            raise ConfigError(f"Method 'kivi' takes {option}=true or {option}=false.")
+        if chosen and (config.options.get("clip_search", False) or cls.grid_of(config, role) is not None):
+            raise ConfigError(f"Method 'kivi' takes {option} without clip_search or a {role}_grid (each {why}).")
 
     @classmethod
     def check_key_widths(cls, config: KVCacheConfig) -> None:
