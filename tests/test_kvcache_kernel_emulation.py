@@ -723,3 +723,42 @@ def test_a_decode_plan_kept_while_blocks_are_appended_reads_them(spec: str, tile
     assert cache._store is store and cache._decode_plan(4) is plan  # the same plan served both steps
     ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
     assert float(mx.max(mx.abs(out - ref))) <= 2e-3
+
+
+def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
+    """A registered key widths table for one layer of N_KV heads: `counts` channels at widths 2, 3, 4, 5 (in that
+    order) in every head, at channels placed at random per head; returns its digest."""
+    from engine.kvcache.key_widths import register_table
+
+    rng = np.random.default_rng(seed)
+    by_rank = np.repeat(np.arange(2, 2 + len(counts)), counts).astype(np.uint8)
+    assert by_rank.size == head_dim
+    return register_table([np.stack([rng.permutation(by_rank) for _ in range(N_KV)])])
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("options,counts", [
+    # the 3-bit level's layout with every width present, then a layer without 5-bit channels and one without 4-bit
+    # ones (between two classes it has)
+    (":s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1", (48, 48, 16, 16)),
+    (":w9:s4", (32, 64, 32, 0)),
+    (":key_block=128:key_outliers=1", (16, 104, 0, 8)),
+])
+def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...]) -> None:
+    """key_widths: each class's codes at its width, the query's channels gathered into the keys' storage order
+    (and the 16-bit sinks and window read through it), against the reference path (one quantized_matmul per width
+    on the gathered queries), over several key blocks, tiles and splits; a class a layer lacks is skipped."""
+    for head_dim in (128, 64):
+        scaled = tuple(c * head_dim // 128 for c in counts)
+        digest = _width_table(head_dim, scaled, seed=sum(scaled))
+        spec = f"kivi:k3v3:g64{options}:key_widths={digest}"
+        for tokens in (200, 301, 1200):
+            cache = _filled(spec, tokens, head_dim, 4, seed=tokens, spiked="outliers" in options)
+            plan = cache._decode_plan(4)
+            assert plan is not None and ("KCLS", 4) in plan.template and ("KBLO", 2) in plan.template
+            queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, head_dim),
+                                                                              dtype=np.float32))
+            out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            ref = _reference_of(cache).attention(queries, None, None, scale=head_dim**-0.5, mask=None)
+            error = float(mx.max(mx.abs(out - ref)))
+            assert np.isfinite(error) and error <= 2e-3, (spec, head_dim, tokens, error)

@@ -438,6 +438,37 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
     assert np.isfinite(excess) and excess <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: {excess}"
 
 
+@needs_gpu
+@pytest.mark.parametrize("counts", [(48, 48, 16, 16), (16, 104, 0, 8)])
+@pytest.mark.parametrize("tokens", (1000, 8193, 33000))
+def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's key_widths through the tiled pass on this GPU (its backend let into decode.WIDTH_BACKENDS for the test)
+    against the reference path in float32 on the CPU stream (one quantized_matmul per width on the gathered query): the
+    parity run behind a backend's place in WIDTH_BACKENDS. The 3-bit level's layout with key outliers, widths 2-5 at
+    random channels per head (the second layout has no 4-bit class)."""
+    from engine.kvcache.kernels import decode
+    from engine.kvcache.key_widths import register_table
+
+    monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
+    rng = np.random.default_rng(sum(counts))
+    by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
+    digest = register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])
+    options = {"key_block": 128, "rotate_values": True, "symmetric_values": True, "key_outliers": 1,
+               "key_widths": digest}
+    fused = _filled("kivi", 3, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
+                    spiked=True)
+    plan = fused._decode_plan(4)
+    assert plan is not None and ("KCLS", 4) in plan.template and ("KO", 1) in plan.template
+    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
+    queries = queries.astype(mx.bfloat16)
+    out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
+    with mx.stream(mx.cpu):
+        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
+        mx.eval(ref)
+    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+    assert np.isfinite(excess) and excess <= 2e-3, f"key_widths {counts} tokens={tokens}: {excess}"
+
+
 def _bf16_history_pairs(cache) -> list[tuple[mx.array, mx.array]]:
     """(the cache's, the reference path's) decoded history keys, then values, in bf16 on this device; the cache must
     decode it with the history kernel; shapes and dtypes checked."""

@@ -366,9 +366,12 @@ def _quality_perplexity(ctx: Context, previous_ppl: dict[str, Any] | None) -> di
 
 def _quality_needle(ctx: Context, follow_specs: list[Any]) -> dict[str, Any]:
     """Recall of a fact hidden at several depths in several lengths of prose, per cache."""
-    from benchmarks.harness.quality import combine_needle
+    from benchmarks.harness.quality import REFERENCE, combine_needle
     from benchmarks.harness.worker import run_tasks
 
+    if REFERENCE not in [s.text for s in follow_specs]:
+        # Checked before the trials (minutes each on a GPU): recall is reported against the 16-bit cache's own trials.
+        raise BenchmarkError(f"The needle grid needs {REFERENCE!r} among the specs: recall is reported against it.")
     plan = ctx.plan
     texts = list(ctx.streams.items())
     trials = []

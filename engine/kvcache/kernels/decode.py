@@ -61,6 +61,8 @@ TILED_RUN = 4
 # Threadgroup memory the tiled pass may declare: Apple GPUs give a threadgroup 32 KB (CUDA's static limit is 48 KB).
 TILED_SHARED_LIMIT = 32 * 1024
 MAX_SPLITS = 256
+# Key widths (KIVI's key_widths): at most this many classes of key channels, each at its own width (template KCLS).
+MAX_WIDTH_CLASSES = 4
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
 
@@ -493,6 +495,21 @@ _TILED_BODY = """
   constexpr bool KFOLD = !KGRID;
   constexpr float KUP = KFOLD ? (float)(1u << KB) : 1.0f;
   const int bh = GROUP_Y;
+  // KCLS > 0 (KIVI's key_widths): the key channels, in the cache's storage order, fall into KCLS classes, class c of
+  // KBLO + c bits over rows [end of class c - 1, kends[c]) (a class may be empty), each class with its own arrays:
+  // codes, scales, biases and outliers (k0, k1, k2, kout, kidx for class 0; wNc, wNs, wNb, wNo, wNi for class N).
+  // The query's channels are gathered into the storage order as they are loaded (kord: each kv head's order), so
+  // phase 1 meets every key row with its own channel, and the 16-bit tokens read their keys through the same order.
+  // KB is then the widest class's width (the staged rows' stride); every class's row of a tile is whole words.
+  const int e0 = KCLS > 0 ? (int)kends[0] : D;
+  const int e1 = KCLS > 1 ? (int)kends[1] : D;
+  const int e2 = KCLS > 2 ? (int)kends[2] : D;
+  const int e3 = KCLS > 3 ? (int)kends[3] : D;
+  // Class c's first staged word among a tile's key words (all classes' rows one after another): off1, off2, off3.
+  const int off1 = e0 * (CT * KBLO / 32);
+  const int off2 = off1 + (e1 - e0) * (CT * (KBLO + 1) / 32);
+  const int off3 = off2 + (e2 - e1) * (CT * (KBLO + 2) / 32);
+  const int cls_words = off3 + (e3 - e2) * (CT * (KBLO + 3) / 32);
   const int n_comp = n_comp_r_shape[0] - 1;
   const int n_win = HW ? (int)win_k_shape[2] : 0;
   const int n_tiles = (n_comp + CT - 1) / CT;
@@ -515,6 +532,9 @@ _TILED_BODY = """
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
 #define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
 #define S_AT(h, r, t) ((h) * SS + (r) * CTP + (t) + (t) / 32)
+// KCLS: one of four values by a key class c (only the chosen one is evaluated), and the class of storage row d.
+#define PICK4(c, a0, a1, a2, a3) ((c) == 0 ? (a0) : (c) == 1 ? (a1) : (c) == 2 ? (a2) : (a3))
+#define CLASS_OF(d) (((d) >= e0) + ((d) >= e1) + ((d) >= e2))
 // A phase-1 run's TT codes of the channel row whose first staged word for the run is at `at`, code 0 at bit 0 (a
 // second word where codes straddle words: 3, 5, 6 bits).
 #define RUN_CODES(at) (KSPLIT ? (U32)((((U64)sh_kw[(at) + 1] << 32) | (U64)sh_kw[at]) >> ksh) : sh_kw[at] >> ksh)
@@ -537,7 +557,13 @@ _TILED_BODY = """
   SHARED float sh_corr[R];
   const float scale = qscale[0];
   const U32 one_bits = AS_U32(qscale[1]);   // 1.0 (see unit_code)
-  for (int i = TID; i < R * D; i += NT) sh_q[(i % D) * R + i / D] = scale * (float)qry[(long)bh * R * D + i];
+  SHARED int sh_ord[KCLS ? D : 1];   // KCLS: this kv head's channel at each storage row
+  for (int i = TID; i < R * D; i += NT) {
+    const int row = i % D;
+    const int channel = KCLS ? (int)kord[(long)(bh % kord_shape[0]) * D + row] : row;
+    sh_q[row * R + i / D] = scale * (float)qry[(long)bh * R * D + (i / D) * D + channel];
+    if (KCLS && i < D) sh_ord[KCLS ? row : 0] = channel;
+  }
   if (TID < R) { sh_m[TID] = -1e30f; sh_l[TID] = 0.0f; }
   // Codes on a non-uniform grid (KIVI's key_grid / value_grid): code c stands for grid[c] in code units, so
   // scale·grid[c] + bias; the keys' fold of scale and bias into the query holds as for plain codes.
@@ -579,6 +605,7 @@ _TILED_BODY = """
   const int kw_mine = (TID / KW) * KWP + TID % KW;   // KEY_ROWS: where this thread's first staged key word goes
   const long v_stride = (long)(NT / VWT) * v_row;    // VALUE_ROWS: from one of this thread's value words to the next
   U32 st_kw[NKW];
+  int st_kat[KCLS ? NKW : 1];   // KCLS: where each staged key word goes (-1: none)
   U32 st_vw[NVW];
   float st_vs[NVG];
   float st_vb[NVG];
@@ -615,7 +642,21 @@ _TILED_BODY = """
     const int kg = sb / GK; \
     for (int j = 0; j < NKW; ++j) { \
       const int i = TID + j * NT; \
-      if (FULL_KW || i < D * KW) { \
+      if (KCLS) { \
+        /* word i of the classes' rows one after another: class c, its row and word (c from the offsets) */ \
+        st_kat[KCLS ? j : 0] = -1; \
+        if (i < cls_words) { \
+          const int c = (i >= off1) + (i >= off2) + (i >= off3); \
+          const int w = KBLO + c; \
+          const int kwc = CT * w / 32; \
+          const int local = i - PICK4(c, 0, off1, off2, off3); \
+          const int first = PICK4(c, 0, e0, e1, e2); \
+          const int rows = PICK4(c, e0, e1, e2, e3) - first; \
+          const long src = ((long)bh * rows + local / kwc) * (cap * w / 32) + (long)sb * w / 32 + local % kwc; \
+          st_kw[j] = PICK4(c, k0[src], w1c[src], w2c[src], w3c[src]); \
+          st_kat[KCLS ? j : 0] = (first + local / kwc) * KWP + local % kwc; \
+        } \
+      } else if (FULL_KW || i < D * KW) { \
         if (KEY_ROWS) st_kw[j] = k0_mine[(long)(j * (NT / KW)) * k_row + sb * KB / 32]; \
         else st_kw[j] = k0[((long)bh * D + i / KW) * k_row + (long)sb * KB / 32 + i % KW]; \
       } \
@@ -647,7 +688,17 @@ _TILED_BODY = """
     } \
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
-      if (FULL_DK || d < D) { \
+      if ((FULL_DK || d < D) && KCLS) { \
+        const int c = CLASS_OF(d); \
+        const int first = PICK4(c, 0, e0, e1, e2); \
+        const long src = ((long)bh * (PICK4(c, e0, e1, e2, e3) - first) + d - first) * k_groups + kg; \
+        st_ks[j] = PICK4(c, (float)k1[src], (float)w1s[src], (float)w2s[src], (float)w3s[src]); \
+        st_kb[j] = PICK4(c, (float)k2[src], (float)w1b[src], (float)w2b[src], (float)w3b[src]); \
+        if (KO) { \
+          st_ko[KO ? j : 0] = PICK4(c, (int)kidx[src], (int)w1i[src], (int)w2i[src], (int)w3i[src]) - sb % GK; \
+          st_kd[KO ? j : 0] = PICK4(c, (float)kout[src], (float)w1o[src], (float)w2o[src], (float)w3o[src]); \
+        } \
+      } else if (FULL_DK || d < D) { \
         st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
         st_kb[j] = (float)k2[((long)bh * D + d) * k_groups + kg]; \
         if (KO) { \
@@ -660,8 +711,11 @@ _TILED_BODY = """
 #define STAGE_STORE() { \
     for (int j = 0; j < NKW; ++j) { \
       const int i = TID + j * NT; \
-      if (FULL_KW || i < D * KW) \
+      if (KCLS) { \
+        if (st_kat[KCLS ? j : 0] >= 0) sh_kw[st_kat[KCLS ? j : 0]] = st_kw[j]; \
+      } else if (FULL_KW || i < D * KW) { \
         sh_kw[KEY_ROWS ? kw_mine + j * (NT / KW) * KWP : (i / KW) * KWP + i % KW] = st_kw[j]; \
+      } \
     } \
     for (int j = 0; j < NVW; ++j) if (FULL_VW || TID + j * NT < CT * VWT) sh_vw[TID + j * NT] = st_vw[j]; \
     for (int j = 0; j < NVG; ++j) if (FULL_VG || TID + j * NT < CT * VG) { \
@@ -671,9 +725,11 @@ _TILED_BODY = """
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
       if (FULL_DK || d < D) { \
-        sh_kb[d] = KFOLD ? st_kb[j] - KUP * st_ks[j] : st_kb[j]; \
-        sh_ks[d] = KUP * st_ks[j]; \
-        for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (KUP * st_ks[j]); \
+        /* KCLS: each class's codes are read against 2^(its width) (phase 1) */ \
+        const float kup = KCLS ? (float)(1u << (KBLO + CLASS_OF(d))) : KUP; \
+        sh_kb[d] = KFOLD ? st_kb[j] - kup * st_ks[j] : st_kb[j]; \
+        sh_ks[d] = kup * st_ks[j]; \
+        for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (kup * st_ks[j]); \
         if (KO) OUTLIER_SHARES(d, st_ko[KO ? j : 0], st_kd[KO ? j : 0]); \
       } \
     } \
@@ -742,6 +798,33 @@ _TILED_BODY = """
             }
           }
         }
+      } else if (KCLS) {
+        // Key widths: the slice's channels class by class, each at its own (compile-time) width.
+#pragma unroll
+        for (int c = 0; c < (KCLS ? KCLS : 1); ++c) {
+          const int w = KBLO + c;
+          const int lo0 = PICK4(c, 0, e0, e1, e2);
+          const int hi0 = PICK4(c, e0, e1, e2, e3);
+          const int lo = lo0 > slice * DC ? lo0 : slice * DC;
+          const int hi = hi0 < slice * DC + DC ? hi0 : slice * DC + DC;
+          const int cbit = run * TT * w;
+          const int cw0 = cbit >> 5;
+          const int csh = cbit & 31;
+          for (int d = lo; d < hi; ++d) {
+            const int at = d * KWP + cw0;
+            const U32 bits = ((32 % w) != 0) ? (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> csh)
+                                             : sh_kw[at] >> csh;
+            float q[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) q[r] = sh_qs[QS_AT(d, r)];
+#pragma unroll
+            for (int i = 0; i < TT; ++i) {
+              const float x = unit_code(bits, i, w, one_bits);
+#pragma unroll
+              for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
+            }
+          }
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < DC; ++j) {
@@ -778,7 +861,7 @@ _TILED_BODY = """
       if (dd < d_count) {
         const GLOBAL TD* kp = (dd < NS) ? sink_k + ((long)bh * NS + dd) * D : win_k + ((long)bh * n_win + (dd - NS)) * D;
         for (int d = half * DH; d < half * DH + DH; ++d) {
-          const float x = (float)kp[d];
+          const float x = (float)kp[KCLS ? sh_ord[KCLS ? d : 0] : d];
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r] += sh_q[d * R + r] * x;
         }
@@ -1004,6 +1087,11 @@ class Codec:
     # role's arrays are codes, scales, and a placeholder where the biases would be (read by neither pass): the kernel
     # derives each bias from the cache's own scales, so nothing derived is held between steps.
     symmetric: bool = False
+    # KIVI keys at different widths per channel (option key_widths): the classes' widths, consecutive from the
+    # narrowest (`bits` is then the layer's mean). The role's arrays are then each class's end row in storage order
+    # (int32 [len(widths)]), each kv head's channel order (the cache's), and each class's codes, scales, biases (and
+    # outliers), a class the layer has no channels of given placeholders; only the tiled pass reads them.
+    widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _CODEC_MACROS:
@@ -1014,6 +1102,10 @@ class Codec:
             raise ValueError("Only KIVI keys without a grid have block outliers.")
         if self.symmetric and (self.kind != "affine" or self.grid):
             raise ValueError("Only affine codes without a grid are symmetric.")
+        if self.widths and (self.kind != "kivi_keys" or self.grid or len(self.widths) > MAX_WIDTH_CLASSES
+                            or list(self.widths) != list(range(self.widths[0], self.widths[0] + len(self.widths)))):
+            raise ValueError(f"Only KIVI keys without a grid have key widths, at most {MAX_WIDTH_CLASSES} consecutive "
+                             f"ones, not {self.widths}.")
 
     @property
     def slots(self) -> int:
@@ -1033,7 +1125,12 @@ class Codec:
         if self.kind == "vq":  # whole sub-vectors per lane's 8 channels; codes read one at a time
             return 1 <= self.bits <= 8 and self.bits2 in (1, 2, 4, 8)
         widths = (self.bits, self.bits2) if self.kind in ("rvq", "polar") else (self.bits,)
-        return all(1 <= b <= 8 and b != 7 for b in widths)
+        return all(1 <= b <= 8 and b != 7 for b in widths + self.widths)
+
+    @property
+    def widest(self) -> int:
+        """The widest code of this role (the classes' widest with key widths)."""
+        return max(self.widths) if self.widths else self.bits
 
 
 def _polar_macro(role: str, prefix: str, first_bits: int, higher_bits: int, levels: int) -> str:
@@ -1087,8 +1184,8 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
     """The attention pass for one (key codec, value codec) pair: the shared body with the two macros."""
     if value.kind in SKETCH_KINDS:
         raise ValueError(f"The {value.kind!r} codec reads keys only.")
-    if key.outliers:
-        raise ValueError("Only the tiled pass reads block outliers.")
+    if key.outliers or key.widths:
+        raise ValueError("Only the tiled pass reads block outliers and key widths.")
     inputs = (
         "qry", *(("qry2",) if key.kind in SKETCH_KINDS else ()), "qscale", "sink_k", "sink_v", "win_k", "win_v",
         "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
@@ -1128,6 +1225,16 @@ ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # only text of its own is the prelude's SHARED_ADD (a compare-and-swap loop): enabled by construction, as every kernel.
 OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+# Backends where the tiled pass reads key channels at different widths (KCLS > 0; KIVI's key_widths); elsewhere such a
+# cache attends through the reference path (one quantized_matmul per width on the gathered query). The CPU emulator
+# checks it against the reference in the tests (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity
+# test on the lent H200 (tests/test_kvcache_kernels.py::test_decode_kernel_reads_key_widths: two class layouts, 1,000
+# to 33,000 tokens, with the single-width tiled tests rerun; 69 passed, kernel-parity-widths-h200.log), where the
+# 3-bit layout with widths decoded at 0.74x/0.63x/0.51x of fp16 at 8k/32k/131k against 0.81x/0.75x/0.67x for the
+# same layout without them (benchmarks/results/decode-key-widths-h200.json). Metal runs the same body: enabled by
+# construction, as every kernel here.
+WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
@@ -1138,7 +1245,8 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx",
+        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx", "kends", "kord",
+        *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"),
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -1163,14 +1271,15 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
     block = key_block or group_size
     tile = min(TILED_MAX_TILE, block)
     while True:
-        if threads % tile or tile % token_groups or block % tile or (tile * key.bits) % 32:
+        if threads % tile or tile % token_groups or block % tile or any((tile * w) % 32 for w in (key.bits, *key.widths)):
             return None
         # Phase 1 gives each thread a run of TILED_RUN tokens and a slice of the channels (TT, RUNS, SLICES),
         # whole channel pairs where keys are stored before RoPE.
         runs = tile // TILED_RUN
         if tile % TILED_RUN or threads % runs or (head_dim // 2) % (threads // runs):
             return None
-        shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.bits, value.bits, group_size, key.outliers)
+        shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.widest, value.bits, group_size, key.outliers,
+                                    bool(key.widths))
         if shared <= TILED_SHARED_LIMIT:
             return tile
         tile //= 2
@@ -1179,7 +1288,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
 
 
 def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bits: int, value_bits: int,
-                       group_size: int, outliers: bool = False) -> int:
+                       group_size: int, outliers: bool = False, widths: bool = False) -> int:
     """Bytes of threadgroup memory the tiled pass declares (`_TILED_BODY`'s SHARED arrays, all 4-byte; an upper
     bound: the compiler drops what a variant never reads, e.g. the RoPE angles)."""
     d, r, nt, ct = head_dim, rows, threads, tile
@@ -1201,6 +1310,7 @@ def tiled_shared_bytes(head_dim: int, rows: int, threads: int, tile: int, key_bi
         + ct * r                                    # sh_p
         + 3 * r + 32                                # sh_m, sh_l, sh_corr, the two grids
         + (r * ct if outliers else 0)               # sh_ox (declared with 1 element without KO, never read)
+        + (d if widths else 1)                      # sh_ord
     )
     return 4 * words
 
@@ -1232,7 +1342,10 @@ POLAR_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 def unverified_on(codec: Codec, backend: str | None) -> str | None:
     """Why `codec` may not run on `backend` yet (a kind whose parity run there has not passed: SKETCH_BACKENDS,
-    VQ_BACKENDS, POLAR_BACKENDS, read at call time so a run can set them), or None (also for an unknown backend)."""
+    VQ_BACKENDS, POLAR_BACKENDS, WIDTH_BACKENDS, read at call time so a run can set them), or None (also for an
+    unknown backend)."""
+    if codec.widths and backend is not None and backend not in WIDTH_BACKENDS:
+        return "the decode kernel's key widths (key_widths) have not passed the parity tests on this backend yet"
     backends = {"prod": SKETCH_BACKENDS, "qjl": SKETCH_BACKENDS, "vq": VQ_BACKENDS, "polar": POLAR_BACKENDS}.get(
         codec.kind)
     if backends is None or backend is None or backend in backends:
@@ -1280,8 +1393,8 @@ def tile_tokens(key: Codec, group_size: int, head_dim: int, key_block: int | Non
     inside one key block (`key_block`, default the group size: one scale per channel) and of at most 64
     tokens (shared memory).
     """
-    if key.grid:
-        return None  # only the tiled pass reads codes on a grid
+    if key.grid or key.widths:
+        return None  # only the tiled pass reads codes on a grid, or key widths
     per_iteration = UNROLL * threads_for(head_dim) // (head_dim // 8)
     tile = min(key_block or group_size, 64) if key.kind == "kivi_keys" else 64
     if tile % per_iteration or tile % 8:
@@ -1354,9 +1467,54 @@ class DecodePlan:
     sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
 
 
+def _width_inputs(key_codec: Codec, key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array]]:
+    """Key widths (`Codec.widths`): the key arrays as the tiled pass takes them, (class 0's codes, scales, biases,
+    outliers; the ends, the order, every other class's five), a placeholder for each class the layer lacks (and for
+    the outliers where there are none)."""
+    ends, order, *per_class = key_arrays
+    assert ends is not None and order is not None
+    parts = 5 if key_codec.outliers else 3
+    if len(per_class) != parts * len(key_codec.widths):
+        raise ValueError(f"Key widths {key_codec.widths} take {parts} arrays a class, not {len(per_class)} in all.")
+    code_like = next(a for a in per_class[0::parts] if a is not None)
+    scale_like = next(a for a in per_class[1::parts] if a is not None)
+    outlier_like = (next(a for a in per_class[3::parts] if a is not None) if key_codec.outliers
+                    else _no_outliers()[0])
+    index_like = (next(a for a in per_class[4::parts] if a is not None) if key_codec.outliers
+                  else _no_outliers()[1])
+    likes = (code_like, scale_like, scale_like, outlier_like, index_like)
+    classes = []
+    for c in range(MAX_WIDTH_CLASSES):
+        given = per_class[c * parts:(c + 1) * parts] if c < len(key_codec.widths) else []
+        given = [*given, *([None] * (5 - len(given)))]
+        classes.append([a if a is not None else _placeholder(like.dtype) for a, like in zip(given, likes, strict=True)])
+    first = classes[0]
+    rest = [a for arrays in classes[1:] for a in arrays]
+    return [first[0], first[1], first[2]], [first[3], first[4], ends, order, *rest]
+
+
+def width_ends(ends: tuple[int, ...]) -> mx.array:
+    """Key widths: each class's end row in storage order as the tiled pass reads it (int32; one array per layout,
+    built once, as the launch's other constants)."""
+    key = ("ends", ends)
+    array = _DUMMIES.get(key)
+    if array is None:
+        array = _DUMMIES[key] = mx.array(ends, dtype=mx.int32)
+    return array
+
+
+def _placeholder(dtype: mx.Dtype) -> mx.array:
+    """One element of `dtype`, for an input a launch never reads (a kernel's signature has its inputs' dtypes)."""
+    key = (1, str(dtype))
+    array = _DUMMIES.get(key)
+    if array is None:
+        array = _DUMMIES[key] = mx.zeros((1,), dtype=dtype)
+    return array
+
+
 def plan_decode(
     key_codec: Codec,
-    key_arrays: list[mx.array],
+    key_arrays: list[mx.array | None],
     value_codec: Codec,
     value_arrays: list[mx.array],
     group_size: int,
@@ -1378,16 +1536,27 @@ def plan_decode(
         tile = tiled
         source = tiled_source()
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
-                    ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.bits), ("VB", value_codec.bits),
+                    ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.widest), ("VB", value_codec.bits),
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
                     ("TT", TILED_RUN),
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
-                    ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)))
+                    ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)),
+                    ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits))
+        if key_codec.widths:
+            if rope is not None:
+                raise ValueError("The tiled decode pass does not turn keys at different widths (stored before RoPE).")
+            head, tail = _width_inputs(key_codec, key_arrays)
+        else:
+            # placeholders for the key widths' inputs (ends, order, the other classes' arrays: never read)
+            head = key_arrays[:3]
+            outliers = key_arrays[-2:] if key_codec.outliers else _no_outliers()
+            one_class = [_placeholder(a.dtype) for a in (*key_arrays[:3], *outliers)]
+            tail = [*outliers, _placeholder(mx.int32), _placeholder(mx.uint8), *one_class * (MAX_WIDTH_CLASSES - 1)]
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
-        # keys' block outliers (placeholders without)
-        arrays = (*key_arrays[:3], *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
+        # keys' block outliers (placeholders without), then the key widths' inputs
+        arrays = (*head, *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
                   value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0],
-                  *(key_arrays[-2:] if key_codec.outliers else _no_outliers()))
+                  *tail)
     else:
         tile = tile_tokens(key_codec, group_size, head_dim, key_block)
         assert tile is not None

@@ -213,7 +213,7 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
         return False
     if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's
         return (backend in KIVI_BACKENDS and value.kind == "affine" and key.supported and value.supported
-                and not key.grid and not value.grid and head_dim % 16 == 0)
+                and not key.grid and not value.grid and not key.widths and head_dim % 16 == 0)
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 

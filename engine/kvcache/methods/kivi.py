@@ -105,8 +105,10 @@ the spec, key_widths=kw...). Every kv head of a layer has the same count of chan
 channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same scales, biases and outliers per
 channel and block as plain KIVI, so the bits are the spec's), stored in a per-head channel order; attention gathers
 the query's channels into that order once and adds one `mx.quantized_matmul` per width. The order and its inverse are
-per-layer constants, counted; a saved cache holds its layer's widths. The decode kernels do not read mixed widths
-yet: on a GPU such a cache attends through MLX (and rope=auto keeps the keys as given).
+per-layer constants, counted; a saved cache holds its layer's widths. The decode kernel's tiled pass reads every
+class at its own width with the query gathered into the storage order (`kernels/decode.py`, Codec.widths); it does
+not turn such keys by position (rope=auto keeps them as given), and the history-decode kernel does not read them
+(a prefill chunk decodes the history through MLX, one `mx.dequantize` per width).
 
 Option `minmax_keys` (true/false; default false) quantizes each key channel's block over its exact min..max
 (`minmax_quantize`) where `mx.quantize` keeps the block's larger-magnitude end exact and widens the step until zero
@@ -385,7 +387,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
             return "kernels are off"
         if KEY_WIDTHS_OPTION in config.options:
-            return "the decode kernel does not read key channels at different widths (key_widths) yet"
+            return "the decode kernel does not turn key channels at different widths (key_widths) by position"
         if _kernels.available_backend() is None:
             return f"no GPU decode kernel turns keys on the default device ({mx.default_device()})"
         try:
@@ -446,6 +448,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return self._rope.frequencies(), self._rope.traditional
 
     def _kernel_declines_here(self, rows: int) -> str | None:
+        if self._rope is not None and self._key_order is not None:
+            return "the decode kernel does not turn key channels at different widths (key_widths with rope=pre)"
         if self._rope is None:
             return self._outlier_kernel_declines(self.config, self._k_head_dim, rows)
         return self._rope_kernel_declines(self.config, self._rope, self._k_head_dim, rows)
@@ -822,8 +826,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _kernel_codecs(self) -> tuple[Codec, list[mx.array], Codec, list[mx.array]] | None:
         assert self._store is not None
-        if self._width_rows is not None:
-            return None  # no decode kernel reads key channels at different widths yet
         # The store's own arrays, never derived ones: the plan that holds them lives while blocks are appended in place
         # (symmetric values: the kernel derives each bias from the scales; the placeholder where the biases would be
         # is never read, see Codec.symmetric).
@@ -831,15 +833,36 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         symmetric = bool(self.config.options.get("symmetric_values", False))
         # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
-        outliers = "key_outlier_residuals" in store
+        outliers = any(name.startswith("key_outlier_residuals") for name in store)
+        rows = self._width_rows
+        if rows is not None:  # key widths: every class of width_choices, None where the layer has no such channel
+            assert self._key_order is not None
+            present = {width: end for width, _, end in rows}
+            widths = width_choices(self.config.key_bits)
+            ends, end = [], 0
+            for width in widths:
+                end = present.get(width, end)
+                ends.append(end)
+            parts = ("key_codes", "key_scales", "key_biases",
+                     *(("key_outlier_residuals", "key_outlier_index") if outliers else ()))
+            key_arrays = [_kernels.decode.width_ends(tuple(ends)), self._key_order,
+                          *(store.get(f"{part}_w{width}") for width in widths for part in parts)]
+            codec = Codec("kivi_keys", self.config.key_bits, outliers=outliers, widths=widths)
+            return (codec, key_arrays, *self._value_codec(store, value_grid, symmetric))
         return (
             Codec("kivi_keys", self.config.key_bits, grid=key_grid is not None, outliers=outliers),
             [store["key_codes"], store["key_scales"], store["key_biases"],
              *([] if key_grid is None else [grid_table(key_grid, "key", self.config.key_bits)]),
              *([store["key_outlier_residuals"], store["key_outlier_index"]] if outliers else [])],
-            Codec("affine", self.config.value_bits, grid=value_grid is not None, symmetric=symmetric),
+            *self._value_codec(store, value_grid, symmetric),
+        )
+
+    def _value_codec(self, store: dict[str, mx.array], grid: str | None,
+                     symmetric: bool) -> tuple[Codec, list[mx.array]]:
+        return (
+            Codec("affine", self.config.value_bits, grid=grid is not None, symmetric=symmetric),
             [store["value_codes"], store["value_scales"], store["value_scales" if symmetric else "value_biases"],
-             *([] if value_grid is None else [grid_table(value_grid, "value", self.config.value_bits)])],
+             *([] if grid is None else [grid_table(grid, "value", self.config.value_bits)])],
         )
 
     # ----- store layout: keys have the token axis last --------------------------------------------------
