@@ -444,13 +444,22 @@ def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytes
     ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true", 128),
     (f"kivi:k4v4:g64:s4:key_block=128:rotate_values=true:{ROPE_SPEC.format('false')}", 128),
     (f"kivi:k3v3:g64:s4:key_block=128:key_outliers=1:symmetric_values=true:{ROPE_SPEC.format('false')}", 128),
-    (f"kivi:k6v6:g32:w3:s1:key_outliers=1:{ROPE_SPEC.format('true')}", 128)])
+    (f"kivi:k6v6:g32:w3:s1:key_outliers=1:{ROPE_SPEC.format('true')}", 128),
+    # key channels at different widths (TABLE: a registered table of widths 2-5, one class empty at head_dim 64)
+    ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true:key_widths=TABLE", 128),
+    ("kivi:k3v3:g64:w5:key_widths=TABLE", 64),
+    ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=FLAT", 128)])
 def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's history decoded in one launch (keys per channel block, their outliers, keys before RoPE turned by
-    position; values with or without biases) equals the reference decode within float32 rounding and the sines'
-    (MLX's RoPE against the kernel's reduced angle) and the 16-bit dtype it is written in, and a prefill chunk's
-    attention through the cache takes it."""
+    position; values with or without biases; key channels at different widths, each written at its channel) equals
+    the reference decode within float32 rounding and the sines' (MLX's RoPE against the kernel's reduced angle) and
+    the 16-bit dtype it is written in, and a prefill chunk's attention through the cache takes it."""
+    if "FLAT" in spec:  # every channel at the key bits: class 0 (2 bits) empty, its arrays placeholders
+        spec = spec.replace("FLAT", _width_table(head_dim, (0, 128, 0, 0), seed=0))
+    if "TABLE" in spec:
+        spec = spec.replace("TABLE", _width_table(head_dim, (48, 48, 16, 16) if head_dim == 128 else (16, 32, 16, 0),
+                                                  seed=head_dim))
     launches = _record_history_launches(monkeypatch)
     for tokens in (200, 1100):
         cache = _filled(spec, tokens, head_dim, 2, seed=tokens, spiked="key_outliers" in spec)
@@ -743,6 +752,8 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
     (":s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1", (48, 48, 16, 16)),
     (":w9:s4", (32, 64, 32, 0)),
     (":key_block=128:key_outliers=1", (16, 104, 0, 8)),
+    # a layer whose channels all kept the key bits: only class 1, class 0's arrays placeholders
+    (":s4:key_block=128:key_outliers=1", (0, 128, 0, 0)),
 ])
 def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...]) -> None:
     """key_widths: each class's codes at its width, the query's channels gathered into the keys' storage order

@@ -439,7 +439,7 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
 
 
 @needs_gpu
-@pytest.mark.parametrize("counts", [(48, 48, 16, 16), (16, 104, 0, 8)])
+@pytest.mark.parametrize("counts", [(48, 48, 16, 16), (16, 104, 0, 8), (0, 128, 0, 0)])
 @pytest.mark.parametrize("tokens", (1000, 8193, 33000))
 def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's key_widths through the tiled pass on this GPU (its backend let into decode.WIDTH_BACKENDS for the test)
@@ -507,7 +507,8 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
 
 
 @needs_gpu
-@pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional"])
+@pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional", "level3-widths",
+                                    "level3-widths-flat"])
 @pytest.mark.parametrize("tokens", (300, 8193, 33000))
 def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -519,16 +520,26 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     same device (both attend in bf16 with MLX's SDPA; against float32 on the CPU, bf16 attention itself differs by up
     to ~1e-2). Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
     KIVI_BACKENDS."""
-    from engine.kvcache.kernels import dequantize
+    from engine.kvcache.kernels import decode, dequantize
+    from engine.kvcache.key_widths import register_table
 
     monkeypatch.setattr(dequantize, "KIVI_BACKENDS", (*dequantize.KIVI_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
+    monkeypatch.setattr(dequantize, "WIDTH_HISTORY_BACKENDS", (*dequantize.WIDTH_HISTORY_BACKENDS, available_backend()))
     bits, options = 4, {}
     if layout != "plain":
         options = {"key_block": 128, "rotate_values": True}
     if layout.startswith("level3"):
         bits = 3
-        options |= {"symmetric_values": True, "key_outliers": 1, "rope": "pre", "rope_dims": 128,
-                    "rope_base": 500000.0, "rope_scale": 1.0, "rope_traditional": layout.endswith("traditional")}
+        options |= {"symmetric_values": True, "key_outliers": 1}
+    if layout.startswith("level3-pre"):
+        options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
+                    "rope_traditional": layout.endswith("traditional")}
+    if layout.startswith("level3-widths"):  # widths 2-5 at random channels per head (or all at 3), keys as given
+        rng = np.random.default_rng(tokens)
+        counts = (0, 128, 0, 0) if layout.endswith("flat") else (48, 48, 16, 16)
+        by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
+        options |= {"key_widths": register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])}
     cache = _filled("kivi", bits, 64, 0, 4 if options else 0, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens,
                     options=options, spiked=bits == 3)
     for out, ref in _bf16_history_pairs(cache):

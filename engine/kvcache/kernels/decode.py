@@ -524,7 +524,8 @@ _TILED_BODY = """
   const int my_d_tiles = (GROUP_X == GROUPS_X - 1) ? d_tiles : 0;
   const int all_tiles = comp_tiles + my_d_tiles;
   const long k_row = (long)k0_shape[3];          // key code words per channel row
-  const long k_groups = (long)k1_shape[3];       // key blocks per channel row
+  // key blocks per channel row (KCLS: from the capacity, class 0's arrays may be placeholders without that shape)
+  const long k_groups = KCLS ? (long)v0_shape[2] / GK : (long)k1_shape[3];
   const long v_row = (long)v0_shape[3];          // value code words per token (VWT)
   const long v_groups = (long)v1_shape[3];       // value groups per token
   const long cap = (long)v0_shape[2];
@@ -605,7 +606,28 @@ _TILED_BODY = """
   const int kw_mine = (TID / KW) * KWP + TID % KW;   // KEY_ROWS: where this thread's first staged key word goes
   const long v_stride = (long)(NT / VWT) * v_row;    // VALUE_ROWS: from one of this thread's value words to the next
   U32 st_kw[NKW];
-  int st_kat[KCLS ? NKW : 1];   // KCLS: where each staged key word goes (-1: none)
+  // KCLS: each staged key word's place, the same in every tile (so the class search and the divisions by a class's
+  // words per row run once per split, not per tile: they were more instructions than phase 1's): its shared slot x 4
+  // + its class (-1: no word), and its source index less the tile's part, which is (tile start / 32) x the width.
+  int st_kat[KCLS ? NKW : 1];
+  long st_ksrc[KCLS ? NKW : 1];
+  if (KCLS) {
+    for (int j = 0; j < NKW; ++j) {
+      const int i = TID + j * NT;   // word i of the classes' rows one after another
+      st_kat[KCLS ? j : 0] = -1;
+      st_ksrc[KCLS ? j : 0] = 0;
+      if (i < cls_words) {
+        const int c = (i >= off1) + (i >= off2) + (i >= off3);
+        const int w = KBLO + c;
+        const int kwc = CT * w / 32;
+        const int local = i - PICK4(c, 0, off1, off2, off3);
+        const int first = PICK4(c, 0, e0, e1, e2);
+        const int rows = PICK4(c, e0, e1, e2, e3) - first;
+        st_ksrc[KCLS ? j : 0] = ((long)bh * rows + local / kwc) * (cap * w / 32) + local % kwc;
+        st_kat[KCLS ? j : 0] = ((first + local / kwc) * KWP + local % kwc) * 4 + c;
+      }
+    }
+  }
   U32 st_vw[NVW];
   float st_vs[NVG];
   float st_vb[NVG];
@@ -643,18 +665,11 @@ _TILED_BODY = """
     for (int j = 0; j < NKW; ++j) { \
       const int i = TID + j * NT; \
       if (KCLS) { \
-        /* word i of the classes' rows one after another: class c, its row and word (c from the offsets) */ \
-        st_kat[KCLS ? j : 0] = -1; \
-        if (i < cls_words) { \
-          const int c = (i >= off1) + (i >= off2) + (i >= off3); \
-          const int w = KBLO + c; \
-          const int kwc = CT * w / 32; \
-          const int local = i - PICK4(c, 0, off1, off2, off3); \
-          const int first = PICK4(c, 0, e0, e1, e2); \
-          const int rows = PICK4(c, e0, e1, e2, e3) - first; \
-          const long src = ((long)bh * rows + local / kwc) * (cap * w / 32) + (long)sb * w / 32 + local % kwc; \
+        const int kat = st_kat[KCLS ? j : 0]; \
+        if (kat >= 0) { \
+          const int c = kat & 3; \
+          const long src = st_ksrc[KCLS ? j : 0] + (long)(sb / 32) * (KBLO + c); \
           st_kw[j] = PICK4(c, k0[src], w1c[src], w2c[src], w3c[src]); \
-          st_kat[KCLS ? j : 0] = (first + local / kwc) * KWP + local % kwc; \
         } \
       } else if (FULL_KW || i < D * KW) { \
         if (KEY_ROWS) st_kw[j] = k0_mine[(long)(j * (NT / KW)) * k_row + sb * KB / 32]; \
@@ -712,7 +727,7 @@ _TILED_BODY = """
     for (int j = 0; j < NKW; ++j) { \
       const int i = TID + j * NT; \
       if (KCLS) { \
-        if (st_kat[KCLS ? j : 0] >= 0) sh_kw[st_kat[KCLS ? j : 0]] = st_kw[j]; \
+        if (st_kat[KCLS ? j : 0] >= 0) sh_kw[st_kat[KCLS ? j : 0] >> 2] = st_kw[j]; \
       } else if (FULL_KW || i < D * KW) { \
         sh_kw[KEY_ROWS ? kw_mine + j * (NT / KW) * KWP : (i / KW) * KWP + i % KW] = st_kw[j]; \
       } \
@@ -1245,8 +1260,7 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
-        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx", "kends", "kord",
-        *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"),
+        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx", *WIDTH_INPUTS,
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -1467,10 +1481,29 @@ class DecodePlan:
     sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
 
 
-def _width_inputs(key_codec: Codec, key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array]]:
-    """Key widths (`Codec.widths`): the key arrays as the tiled pass takes them, (class 0's codes, scales, biases,
-    outliers; the ends, the order, every other class's five), a placeholder for each class the layer lacks (and for
-    the outliers where there are none)."""
+# The key widths' inputs of the kernels that read KIVI keys (the tiled pass, the history decode), after the others.
+WIDTH_INPUTS = ("kends", "kord", *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"))
+
+
+def kivi_key_inputs(key_codec: Codec,
+                    key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """KIVI keys' arrays as the kernels take them: (codes, scales, biases), (outlier residuals, indices), and the
+    WIDTH_INPUTS; with key widths the first two are class 0's; placeholders for what the layout lacks (never read)."""
+    if key_codec.widths:
+        return _width_inputs(key_codec, key_arrays)
+    arrays: list[mx.array] = [a for a in key_arrays if a is not None]
+    assert len(arrays) == len(key_arrays)
+    outliers = list(arrays[-2:]) if key_codec.outliers else list(_no_outliers())
+    one_class = [_placeholder(a.dtype) for a in (*arrays[:3], *outliers)]
+    widths = [_placeholder(mx.int32), _placeholder(mx.uint8), *one_class * (MAX_WIDTH_CLASSES - 1)]
+    return arrays[:3], outliers, widths
+
+
+def _width_inputs(key_codec: Codec,
+                  key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """`kivi_key_inputs` with key widths (`Codec.widths`): class 0's codes, scales, biases and outliers, then the ends,
+    the order and every other class's five, a placeholder for each class the layer lacks (and for the outliers where
+    there are none)."""
     ends, order, *per_class = key_arrays
     assert ends is not None and order is not None
     parts = 5 if key_codec.outliers else 3
@@ -1490,7 +1523,7 @@ def _width_inputs(key_codec: Codec, key_arrays: list[mx.array | None]) -> tuple[
         classes.append([a if a is not None else _placeholder(like.dtype) for a, like in zip(given, likes, strict=True)])
     first = classes[0]
     rest = [a for arrays in classes[1:] for a in arrays]
-    return [first[0], first[1], first[2]], [first[3], first[4], ends, order, *rest]
+    return [first[0], first[1], first[2]], [first[3], first[4]], [ends, order, *rest]
 
 
 def width_ends(ends: tuple[int, ...]) -> mx.array:
@@ -1542,21 +1575,14 @@ def plan_decode(
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
                     ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)),
                     ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits))
-        if key_codec.widths:
-            if rope is not None:
-                raise ValueError("The tiled decode pass does not turn keys at different widths (stored before RoPE).")
-            head, tail = _width_inputs(key_codec, key_arrays)
-        else:
-            # placeholders for the key widths' inputs (ends, order, the other classes' arrays: never read)
-            head = key_arrays[:3]
-            outliers = key_arrays[-2:] if key_codec.outliers else _no_outliers()
-            one_class = [_placeholder(a.dtype) for a in (*key_arrays[:3], *outliers)]
-            tail = [*outliers, _placeholder(mx.int32), _placeholder(mx.uint8), *one_class * (MAX_WIDTH_CLASSES - 1)]
+        if key_codec.widths and rope is not None:
+            raise ValueError("The tiled decode pass does not turn keys at different widths (stored before RoPE).")
+        head, outliers, widths = kivi_key_inputs(key_codec, key_arrays)
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
         # keys' block outliers (placeholders without), then the key widths' inputs
         arrays = (*head, *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
                   value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0],
-                  *tail)
+                  *outliers, *widths)
     else:
         tile = tile_tokens(key_codec, group_size, head_dim, key_block)
         assert tile is not None

@@ -148,13 +148,47 @@ SKETCH_HISTORY_BLOCK = 4096
 # through the cache. In place of MLX's dequantize, the outliers' scatter, the float32 RoPE over the whole history and
 # the casts: each a history-sized pass (a 32k-token prefill of the 3-bit level ran at 0.79x of fp16, BENCHMARKS.md).
 _KIVI_BODY = """
-  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD.
+  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
   constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
   constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
   const long n = (long)n_comp_r_shape[0] - 1;
-  const long bhs = (long)k0_shape[0] * k0_shape[1];
+  const long bhs = (long)v0_shape[0] * v0_shape[1];
   const long idx = (long)GROUP_X * NT + TID;
-  if (idx < bhs * n * KPT) {
+  if (KCLS && idx < bhs * n * KPT) {
+    // Key widths (KIVI's key_widths, keys as given): the lane's 16 rows in storage order, each decoded at its class's
+    // width from its class's arrays (as the decode pass's tiled staging reads them) and written at its channel.
+    const int e0 = KCLS > 0 ? (int)kends[0] : D;
+    const int e1 = KCLS > 1 ? (int)kends[1] : D;
+    const int e2 = KCLS > 2 ? (int)kends[2] : D;
+    const int e3 = KCLS > 3 ? (int)kends[3] : D;
+    const int klane = (int)(idx % KPT);
+    const long token = idx / KPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const int g = c / GK;
+    const long cap = (long)v0_shape[2];
+    const long groups = cap / GK;   // key blocks per row (class 0's arrays may be a placeholder: no shape to read)
+    for (int i = 0; i < 16; ++i) {
+      const int s = klane * 16 + i;
+      const int cl = (s >= e0) + (s >= e1) + (s >= e2);
+      const int w = KBLO + cl;
+      const int first = cl == 0 ? 0 : cl == 1 ? e0 : cl == 2 ? e1 : e2;
+      const int rows = (cl == 0 ? e0 : cl == 1 ? e1 : cl == 2 ? e2 : e3) - first;
+      const long row = (long)bh * rows + (s - first);
+      const GLOBAL U32* codes = cl == 0 ? k0 : cl == 1 ? w1c : cl == 2 ? w2c : w3c;
+      const U32 code = code_at(codes + row * (cap * w / 32), c, w);
+      const long at = row * groups + g;
+      float x = (cl == 0 ? (float)k1[at] : cl == 1 ? (float)w1s[at] : cl == 2 ? (float)w2s[at] : (float)w3s[at])
+                * (float)code
+                + (cl == 0 ? (float)k2[at] : cl == 1 ? (float)w1b[at] : cl == 2 ? (float)w2b[at] : (float)w3b[at]);
+      if (KO) {
+        const int spot = cl == 0 ? (int)kidx[at] : cl == 1 ? (int)w1i[at] : cl == 2 ? (int)w2i[at] : (int)w3i[at];
+        if (spot == c - g * GK)
+          x += cl == 0 ? (float)kout[at] : cl == 1 ? (float)w1o[at] : cl == 2 ? (float)w2o[at] : (float)w3o[at];
+      }
+      keys[token * D + (int)kord[(long)(bh % kord_shape[0]) * D + s]] = static_cast<TD>(x);
+    }
+  } else if (idx < bhs * n * KPT) {
     const int klane = (int)(idx % KPT);
     const long token = idx / KPT;
     const int bh = (int)(token / n);
@@ -203,6 +237,15 @@ _KIVI_BODY = """
 # the previous lease's run; prefill-history-kernels-r2-h200.json, prefill-history-kernels-h200.json). Metal runs the
 # same body (nothing in it beyond what the decode pass's Metal form uses): enabled by construction.
 KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+# Backends where `_KIVI_BODY` decodes key channels at different widths (KIVI's key_widths; elsewhere such a history is
+# decoded through MLX, one mx.dequantize per width and a gather). The CPU emulator checks it against the reference
+# (tests/test_kvcache_kernel_emulation.py, a layer without its narrowest class among the layouts). On the lent H200
+# the GPU parity test passed (test_kivi_history_decode_kernel_matches_reference[level3-widths], 300 to 33,000 tokens;
+# kernel-parity-widths-r2-h200.log), but a 32k-token prefill of the 8B shape then failed with an illegal memory
+# access, before the fix of a layer whose narrowest class is empty (its arrays are placeholders, whose shape the
+# kernels read for the key blocks per row; decode-key-widths-r2-h200.json): held back from CUDA and Metal until a
+# prefill there passes.
+WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
 def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
@@ -213,7 +256,8 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
         return False
     if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's
         return (backend in KIVI_BACKENDS and value.kind == "affine" and key.supported and value.supported
-                and not key.grid and not value.grid and not key.widths and head_dim % 16 == 0)
+                and not key.grid and not value.grid and head_dim % 16 == 0
+                and (not key.widths or backend in WIDTH_HISTORY_BACKENDS))
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 
@@ -224,8 +268,9 @@ def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSou
     from an input `proj` in place of the sketch."""
     if key.kind == "kivi_keys":
         return KernelSource(
-            name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}",
-            input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq",
+            name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}"
+                 + (f"_w{len(key.widths)}" if key.widths else ""),
+            input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq", *_decode.WIDTH_INPUTS,
                          *(f"v{i}" for i in range(value.slots))),
             output_names=("keys", "values"),
             body=_KIVI_BODY,
@@ -296,15 +341,18 @@ def dequantize_history(
         raise ValueError(f"The history decode of {key} keys takes {'a' if sketched else 'no'} sketch.")
     if rope is not None and key.kind != "kivi_keys":
         raise ValueError("Only KIVI keys are stored before RoPE.")
-    batch, n_kv = key_arrays[0].shape[:2]
+    batch, n_kv = value_arrays[0].shape[:2]
     threads = batch * n_kv * n_tokens * (head_dim // 8)
     shape = (batch, n_kv, n_tokens, head_dim)
     template = [("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)]
     if key.kind == "kivi_keys":
-        outliers = key_arrays[-2:] if key.outliers else _decode._no_outliers()
-        key_arrays = [*key_arrays[:3], *outliers, _decode._no_grid() if rope is None else rope[0]]
-        template += [("GK", key_block or group_size), ("KB", key.bits), ("ROPE", int(rope is not None)),
-                     ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers))]
+        if key.widths and rope is not None:
+            raise ValueError("The history-decode kernel does not turn keys at different widths (stored before RoPE).")
+        head, outliers, widths = _decode.kivi_key_inputs(key, key_arrays)
+        key_arrays = [*head, *outliers, _decode._no_grid() if rope is None else rope[0], *widths]
+        template += [("GK", key_block or group_size), ("KB", key.widest), ("ROPE", int(rope is not None)),
+                     ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers)),
+                     ("KCLS", len(key.widths)), ("KBLO", key.widths[0] if key.widths else key.bits)]
     extra = [sketch] if sketched else []
     proj = sketched and SKETCH_HISTORY_MATMUL
     if proj:

@@ -442,8 +442,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return replace(config, options={**config.options, **dict(zip(ROPE_PARAMETERS, astuple(rope), strict=True))})
 
     def _kernel_rope(self) -> tuple[mx.array, bool] | None:
-        # The kernels turn every channel pair: a RoPE over fewer channels (rope_dims < head_dim) has no kernel.
-        if self._rope is None or self._rope.dims != self._k_head_dim:
+        # The kernels turn every channel pair: a RoPE over fewer channels (rope_dims < head_dim) has no kernel, nor
+        # do keys at different widths (key_widths).
+        if self._rope is None or self._rope.dims != self._k_head_dim or self._key_order is not None:
             return None
         return self._rope.frequencies(), self._rope.traditional
 
