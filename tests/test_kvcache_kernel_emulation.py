@@ -448,7 +448,9 @@ def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytes
     # key channels at different widths (TABLE: a registered table of widths 2-5, one class empty at head_dim 64)
     ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true:key_widths=TABLE", 128),
     ("kivi:k3v3:g64:w5:key_widths=TABLE", 64),
-    ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=FLAT", 128)])
+    ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=FLAT", 128),
+    (f"kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=TABLE:{ROPE_SPEC.format('false')}", 128),
+    (f"kivi:k3v3:g64:w5:key_widths=TABLE:{ROPE_SPEC.format('true').replace('128', '64')}", 64)])
 def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's history decoded in one launch (keys per channel block, their outliers, keys before RoPE turned by
@@ -754,6 +756,9 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
     (":key_block=128:key_outliers=1", (16, 104, 0, 8)),
     # a layer whose channels all kept the key bits: only class 1, class 0's arrays placeholders
     (":s4:key_block=128:key_outliers=1", (0, 128, 0, 0)),
+    # keys before RoPE: each channel of a pair read at its own row and width (outliers turned with their pair)
+    (":s4:key_block=128:key_outliers=1:symmetric_values=true:" + ROPE_SPEC.format("false"), (48, 48, 16, 16)),
+    (":w9:s4:" + ROPE_SPEC.format("true"), (32, 64, 32, 0)),
 ])
 def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...]) -> None:
     """key_widths: each class's codes at its width, the query's channels gathered into the keys' storage order
@@ -762,11 +767,12 @@ def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts:
     for head_dim in (128, 64):
         scaled = tuple(c * head_dim // 128 for c in counts)
         digest = _width_table(head_dim, scaled, seed=sum(scaled))
-        spec = f"kivi:k3v3:g64{options}:key_widths={digest}"
+        spec = f"kivi:k3v3:g64{options}:key_widths={digest}".replace("rope_dims=128", f"rope_dims={head_dim}")
         for tokens in (200, 301, 1200):
             cache = _filled(spec, tokens, head_dim, 4, seed=tokens, spiked="outliers" in options)
             plan = cache._decode_plan(4)
             assert plan is not None and ("KCLS", 4) in plan.template and ("KBLO", 2) in plan.template
+            assert ("ROPE", int("rope=pre" in spec)) in plan.template
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, head_dim),
                                                                               dtype=np.float32))
             out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask=None)

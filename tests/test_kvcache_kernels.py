@@ -439,9 +439,11 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
 
 
 @needs_gpu
+@pytest.mark.parametrize("rope", ["none", "pre"])
 @pytest.mark.parametrize("counts", [(48, 48, 16, 16), (16, 104, 0, 8), (0, 128, 0, 0)])
 @pytest.mark.parametrize("tokens", (1000, 8193, 33000))
-def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, rope: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's key_widths through the tiled pass on this GPU (its backend let into decode.WIDTH_BACKENDS for the test)
     against the reference path in float32 on the CPU stream (one quantized_matmul per width on the gathered query): the
     parity run behind a backend's place in WIDTH_BACKENDS. The 3-bit level's layout with key outliers, widths 2-5 at
@@ -450,15 +452,19 @@ def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, mo
     from engine.kvcache.key_widths import register_table
 
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "WIDTH_ROPE_BACKENDS", (*decode.WIDTH_ROPE_BACKENDS, available_backend()))
     rng = np.random.default_rng(sum(counts))
     by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
     digest = register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])
     options = {"key_block": 128, "rotate_values": True, "symmetric_values": True, "key_outliers": 1,
                "key_widths": digest}
+    if rope == "pre":
+        options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0, "rope_traditional": False}
     fused = _filled("kivi", 3, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
                     spiked=True)
     plan = fused._decode_plan(4)
     assert plan is not None and ("KCLS", 4) in plan.template and ("KO", 1) in plan.template
+    assert ("ROPE", int(rope == "pre")) in plan.template
     queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
     queries = queries.astype(mx.bfloat16)
     out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
@@ -508,7 +514,7 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
 
 @needs_gpu
 @pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional", "level3-widths",
-                                    "level3-widths-flat"])
+                                    "level3-widths-flat", "level3-widths-pre"])
 @pytest.mark.parametrize("tokens", (300, 8193, 33000))
 def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -526,18 +532,19 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     monkeypatch.setattr(dequantize, "KIVI_BACKENDS", (*dequantize.KIVI_BACKENDS, available_backend()))
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
     monkeypatch.setattr(dequantize, "WIDTH_HISTORY_BACKENDS", (*dequantize.WIDTH_HISTORY_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "WIDTH_ROPE_BACKENDS", (*decode.WIDTH_ROPE_BACKENDS, available_backend()))
     bits, options = 4, {}
     if layout != "plain":
         options = {"key_block": 128, "rotate_values": True}
     if layout.startswith("level3"):
         bits = 3
         options |= {"symmetric_values": True, "key_outliers": 1}
-    if layout.startswith("level3-pre"):
+    if layout.startswith("level3-pre") or layout.endswith("widths-pre"):
         options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
                     "rope_traditional": layout.endswith("traditional")}
     if layout.startswith("level3-widths"):  # widths 2-5 at random channels per head (or all at 3), keys as given
         rng = np.random.default_rng(tokens)
-        counts = (0, 128, 0, 0) if layout.endswith("flat") else (48, 48, 16, 16)
+        counts = (0, 128, 0, 0) if layout.endswith("flat") else (48, 48, 16, 16)  # "-pre": keys before RoPE too
         by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
         options |= {"key_widths": register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])}
     cache = _filled("kivi", bits, 64, 0, 4 if options else 0, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens,

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import engine.kvcache.kernels as kernels
 from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, get_method
 from engine.kvcache import key_widths as calibration
@@ -220,8 +221,16 @@ def test_bad_key_widths_options_are_clear_errors() -> None:
             KVCacheConfig.parse(spec).validate(64)
     with pytest.raises(ConfigError, match="for_model"):
         get_method("kivi")(KVCacheConfig.parse(SPEC)).update_and_fetch(*random_kv(n_tokens=8))
-    # rope=auto keeps the keys as given: no decode kernel reads mixed widths yet.
-    assert "key_widths" in get_method("kivi").rope_pre_declines(KVCacheConfig.parse(SPEC), _model())
+    # rope=auto keeps the keys as given where no kernel turns keys at different widths (a GPU backend whose parity run
+    # of them has not passed; here on the CPU, no GPU kernel at all).
+    kivi = get_method("kivi")
+    assert kivi.rope_pre_declines(KVCacheConfig.parse(SPEC), _model()) is not None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "available_backend", lambda: "cuda")
+        patch.setattr(kernels.decode, "WIDTH_ROPE_BACKENDS", ("emulate",))
+        assert "key_widths" in kivi.rope_pre_declines(KVCacheConfig.parse(SPEC), _model())
+        patch.setattr(kernels.decode, "WIDTH_ROPE_BACKENDS", ("emulate", "cuda"))
+        assert kivi.rope_pre_declines(KVCacheConfig.parse(SPEC), _model()) is None
 
 
 def test_wide_layers_get_widths_around_their_own_bits() -> None:

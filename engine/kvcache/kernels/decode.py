@@ -536,6 +536,10 @@ _TILED_BODY = """
 // KCLS: one of four values by a key class c (only the chosen one is evaluated), and the class of storage row d.
 #define PICK4(c, a0, a1, a2, a3) ((c) == 0 ? (a0) : (c) == 1 ? (a1) : (c) == 2 ? (a2) : (a3))
 #define CLASS_OF(d) (((d) >= e0) + ((d) >= e1) + ((d) >= e2))
+// KCLS: a phase-1 run's TT codes of storage row `row` at width `w` (runtime), code 0 at bit 0 (two words, always).
+#define CLASS_RUN_CODES(row, w) \
+  ((U32)((((U64)sh_kw[(row) * KWP + ((run * TT * (w)) >> 5) + 1] << 32) | \
+          (U64)sh_kw[(row) * KWP + ((run * TT * (w)) >> 5)]) >> ((run * TT * (w)) & 31)))
 // A phase-1 run's TT codes of the channel row whose first staged word for the run is at `at`, code 0 at bit 0 (a
 // second word where codes straddle words: 3, 5, 6 bits).
 #define RUN_CODES(at) (KSPLIT ? (U32)((((U64)sh_kw[(at) + 1] << 32) | (U64)sh_kw[at]) >> ksh) : sh_kw[at] >> ksh)
@@ -559,11 +563,15 @@ _TILED_BODY = """
   const float scale = qscale[0];
   const U32 one_bits = AS_U32(qscale[1]);   // 1.0 (see unit_code)
   SHARED int sh_ord[KCLS ? D : 1];   // KCLS: this kv head's channel at each storage row
+  SHARED int sh_inv[KCLS ? D : 1];   // ... and each channel's storage row (keys before RoPE: a pair's two rows)
   for (int i = TID; i < R * D; i += NT) {
     const int row = i % D;
     const int channel = KCLS ? (int)kord[(long)(bh % kord_shape[0]) * D + row] : row;
     sh_q[row * R + i / D] = scale * (float)qry[(long)bh * R * D + (i / D) * D + channel];
-    if (KCLS && i < D) sh_ord[KCLS ? row : 0] = channel;
+    if (KCLS && i < D) {
+      sh_ord[KCLS ? row : 0] = channel;
+      sh_inv[KCLS ? channel : 0] = row;
+    }
   }
   if (TID < R) { sh_m[TID] = -1e30f; sh_l[TID] = 0.0f; }
   // Codes on a non-uniform grid (KIVI's key_grid / value_grid): code c stands for grid[c] in code units, so
@@ -643,17 +651,21 @@ _TILED_BODY = """
 #define OUTLIER_SHARES(d, t, e) { \
     if ((unsigned)(t) < (unsigned)CT) { \
       if (ROPE) { \
-        const int j_ = TRAD ? (d) / 2 : (d) % (D / 2); \
+        /* KCLS: d is a storage row; the pair is of its channel, the query read at the pair's rows */ \
+        const int ch_ = KCLS ? sh_ord[KCLS ? (d) : 0] : (d); \
+        const int j_ = TRAD ? ch_ / 2 : ch_ % (D / 2); \
         const int a_ = TRAD ? 2 * j_ : j_; \
         const int b_ = TRAD ? 2 * j_ + 1 : j_ + D / 2; \
+        const int qa_ = KCLS ? sh_inv[KCLS ? a_ : 0] : a_; \
+        const int qb_ = KCLS ? sh_inv[KCLS ? b_ : 0] : b_; \
         float sn_, cs_; \
         TURN_AT((float)(base + (t)), sh_rf[j_], sn_, cs_); \
-        const float ea_ = ((d) == a_) ? (e) : 0.0f; \
-        const float eb_ = ((d) == a_) ? 0.0f : (e); \
+        const float ea_ = (ch_ == a_) ? (e) : 0.0f; \
+        const float eb_ = (ch_ == a_) ? 0.0f : (e); \
         const float ra_ = ea_ * cs_ - eb_ * sn_; \
         const float rb_ = ea_ * sn_ + eb_ * cs_; \
         for (int r_ = 0; r_ < R; ++r_) \
-          SHARED_ADD(&sh_ox[r_ * CT + (t)], sh_q[a_ * R + r_] * ra_ + sh_q[b_ * R + r_] * rb_); \
+          SHARED_ADD(&sh_ox[r_ * CT + (t)], sh_q[qa_ * R + r_] * ra_ + sh_q[qb_ * R + r_] * rb_); \
       } else { \
         for (int r_ = 0; r_ < R; ++r_) SHARED_ADD(&sh_ox[r_ * CT + (t)], sh_q[(d) * R + r_] * (e)); \
       } \
@@ -789,17 +801,25 @@ _TILED_BODY = """
           const int j = slice * DP + jj;
           const int a = TRAD ? 2 * j : j;
           const int b = TRAD ? 2 * j + 1 : j + D / 2;
-          const U32 bits_a = RUN_CODES(a * KWP + kw0);
-          const U32 bits_b = RUN_CODES(b * KWP + kw0);
-          const float scale_a = sh_ks[a], bias_a = sh_kb[a], scale_b = sh_ks[b], bias_b = sh_kb[b];
+          // KCLS (key widths): the pair's channels sit at rows of their own classes, so each is read at its row with
+          // its class's width (a runtime width: the two may differ)
+          const int row_a = KCLS ? sh_inv[KCLS ? a : 0] : a;
+          const int row_b = KCLS ? sh_inv[KCLS ? b : 0] : b;
+          const int wa = KCLS ? KBLO + CLASS_OF(row_a) : KB;
+          const int wb = KCLS ? KBLO + CLASS_OF(row_b) : KB;
+          const U32 bits_a = KCLS ? CLASS_RUN_CODES(row_a, wa) : RUN_CODES(a * KWP + kw0);
+          const U32 bits_b = KCLS ? CLASS_RUN_CODES(row_b, wb) : RUN_CODES(b * KWP + kw0);
+          const float scale_a = sh_ks[row_a], bias_a = sh_kb[row_a], scale_b = sh_ks[row_b], bias_b = sh_kb[row_b];
           const float freq = sh_rf[j];
           float qa[R], qb[R];
 #pragma unroll
-          for (int r = 0; r < R; ++r) { qa[r] = sh_q[a * R + r]; qb[r] = sh_q[b * R + r]; }
+          for (int r = 0; r < R; ++r) { qa[r] = sh_q[row_a * R + r]; qb[r] = sh_q[row_b * R + r]; }
 #pragma unroll
           for (int i = 0; i < TT; ++i) {
-            const float xa = KGRID ? sh_kgrid[(bits_a >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_a, i, KB, one_bits);
-            const float xb = KGRID ? sh_kgrid[(bits_b >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_b, i, KB, one_bits);
+            const float xa = KCLS ? unit_code(bits_a, i, wa, one_bits)
+                : KGRID ? sh_kgrid[(bits_a >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_a, i, KB, one_bits);
+            const float xb = KCLS ? unit_code(bits_b, i, wb, one_bits)
+                : KGRID ? sh_kgrid[(bits_b >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_b, i, KB, one_bits);
             const float ka = scale_a * xa + bias_a;
             const float kb = scale_b * xb + bias_b;
             float sn, cs;
@@ -1104,8 +1124,9 @@ class Codec:
     symmetric: bool = False
     # KIVI keys at different widths per channel (option key_widths): the classes' widths, consecutive from the
     # narrowest (`bits` is then the layer's mean). The role's arrays are then each class's end row in storage order
-    # (int32 [len(widths)]), each kv head's channel order (the cache's), and each class's codes, scales, biases (and
-    # outliers), a class the layer has no channels of given placeholders; only the tiled pass reads them.
+    # (int32 [len(widths)]), each kv head's channel order and its inverse (the cache's), and each class's codes,
+    # scales, biases (and outliers), None for a class the layer has no channels of; only the tiled pass and the
+    # history decode read them.
     widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -1249,6 +1270,12 @@ OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # same layout without them (benchmarks/results/decode-key-widths-h200.json). Metal runs the same body: enabled by
 # construction, as every kernel here.
 WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+
+# Backends where the tiled pass and the history decode turn key channels at different widths stored before RoPE (KCLS
+# with ROPE: each channel of a pair read at its row and its class's width); elsewhere such a cache attends through the
+# reference path, and rope=auto keeps keys at different widths as given. The CPU emulator checks both kernels against
+# the reference in the tests (tests/test_kvcache_kernel_emulation.py); no GPU has run them yet.
+WIDTH_ROPE_BACKENDS: tuple[str, ...] = ("emulate",)
 
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
@@ -1482,7 +1509,7 @@ class DecodePlan:
 
 
 # The key widths' inputs of the kernels that read KIVI keys (the tiled pass, the history decode), after the others.
-WIDTH_INPUTS = ("kends", "kord", *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"))
+WIDTH_INPUTS = ("kends", "kord", "kinv", *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"))
 
 
 def kivi_key_inputs(key_codec: Codec,
@@ -1495,7 +1522,8 @@ def kivi_key_inputs(key_codec: Codec,
     assert len(arrays) == len(key_arrays)
     outliers = list(arrays[-2:]) if key_codec.outliers else list(_no_outliers())
     one_class = [_placeholder(a.dtype) for a in (*arrays[:3], *outliers)]
-    widths = [_placeholder(mx.int32), _placeholder(mx.uint8), *one_class * (MAX_WIDTH_CLASSES - 1)]
+    widths = [_placeholder(mx.int32), _placeholder(mx.uint8), _placeholder(mx.uint8),
+              *one_class * (MAX_WIDTH_CLASSES - 1)]
     return arrays[:3], outliers, widths
 
 
@@ -1504,8 +1532,8 @@ def _width_inputs(key_codec: Codec,
     """`kivi_key_inputs` with key widths (`Codec.widths`): class 0's codes, scales, biases and outliers, then the ends,
     the order and every other class's five, a placeholder for each class the layer lacks (and for the outliers where
     there are none)."""
-    ends, order, *per_class = key_arrays
-    assert ends is not None and order is not None
+    ends, order, inverse, *per_class = key_arrays
+    assert ends is not None and order is not None and inverse is not None
     parts = 5 if key_codec.outliers else 3
     if len(per_class) != parts * len(key_codec.widths):
         raise ValueError(f"Key widths {key_codec.widths} take {parts} arrays a class, not {len(per_class)} in all.")
@@ -1523,7 +1551,7 @@ def _width_inputs(key_codec: Codec,
         classes.append([a if a is not None else _placeholder(like.dtype) for a, like in zip(given, likes, strict=True)])
     first = classes[0]
     rest = [a for arrays in classes[1:] for a in arrays]
-    return [first[0], first[1], first[2]], [first[3], first[4]], [ends, order, *rest]
+    return [first[0], first[1], first[2]], [first[3], first[4]], [ends, order, inverse, *rest]
 
 
 def width_ends(ends: tuple[int, ...]) -> mx.array:
@@ -1575,8 +1603,6 @@ def plan_decode(
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
                     ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)),
                     ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits))
-        if key_codec.widths and rope is not None:
-            raise ValueError("The tiled decode pass does not turn keys at different widths (stored before RoPE).")
         head, outliers, widths = kivi_key_inputs(key_codec, key_arrays)
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
         # keys' block outliers (placeholders without), then the key widths' inputs

@@ -155,8 +155,8 @@ _KIVI_BODY = """
   const long bhs = (long)v0_shape[0] * v0_shape[1];
   const long idx = (long)GROUP_X * NT + TID;
   if (KCLS && idx < bhs * n * KPT) {
-    // Key widths (KIVI's key_widths, keys as given): the lane's 16 rows in storage order, each decoded at its class's
-    // width from its class's arrays (as the decode pass's tiled staging reads them) and written at its channel.
+    // Key widths (KIVI's key_widths): the lane's 8 channel pairs as below, each channel read at its storage row
+    // (kinv) with its class's width from its class's arrays (as the decode pass's tiled staging reads them).
     const int e0 = KCLS > 0 ? (int)kends[0] : D;
     const int e1 = KCLS > 1 ? (int)kends[1] : D;
     const int e2 = KCLS > 2 ? (int)kends[2] : D;
@@ -168,25 +168,41 @@ _KIVI_BODY = """
     const int g = c / GK;
     const long cap = (long)v0_shape[2];
     const long groups = cap / GK;   // key blocks per row (class 0's arrays may be a placeholder: no shape to read)
-    for (int i = 0; i < 16; ++i) {
-      const int s = klane * 16 + i;
-      const int cl = (s >= e0) + (s >= e1) + (s >= e2);
-      const int w = KBLO + cl;
-      const int first = cl == 0 ? 0 : cl == 1 ? e0 : cl == 2 ? e1 : e2;
-      const int rows = (cl == 0 ? e0 : cl == 1 ? e1 : cl == 2 ? e2 : e3) - first;
-      const long row = (long)bh * rows + (s - first);
-      const GLOBAL U32* codes = cl == 0 ? k0 : cl == 1 ? w1c : cl == 2 ? w2c : w3c;
-      const U32 code = code_at(codes + row * (cap * w / 32), c, w);
-      const long at = row * groups + g;
-      float x = (cl == 0 ? (float)k1[at] : cl == 1 ? (float)w1s[at] : cl == 2 ? (float)w2s[at] : (float)w3s[at])
-                * (float)code
-                + (cl == 0 ? (float)k2[at] : cl == 1 ? (float)w1b[at] : cl == 2 ? (float)w2b[at] : (float)w3b[at]);
-      if (KO) {
-        const int spot = cl == 0 ? (int)kidx[at] : cl == 1 ? (int)w1i[at] : cl == 2 ? (int)w2i[at] : (int)w3i[at];
-        if (spot == c - g * GK)
-          x += cl == 0 ? (float)kout[at] : cl == 1 ? (float)w1o[at] : cl == 2 ? (float)w2o[at] : (float)w3o[at];
+    const long head = (long)(bh % kinv_shape[0]) * D;
+    for (int i = 0; i < 8; ++i) {
+      const int j = klane * 8 + i;
+      const int a = (ROPE && !TRAD) ? j : 2 * j;
+      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
+      float x[2];
+      for (int e = 0; e < 2; ++e) {
+        const int s = (int)kinv[head + (e ? b : a)];
+        const int cl = (s >= e0) + (s >= e1) + (s >= e2);
+        const int w = KBLO + cl;
+        const int first = cl == 0 ? 0 : cl == 1 ? e0 : cl == 2 ? e1 : e2;
+        const int rows = (cl == 0 ? e0 : cl == 1 ? e1 : cl == 2 ? e2 : e3) - first;
+        const long row = (long)bh * rows + (s - first);
+        const GLOBAL U32* codes = cl == 0 ? k0 : cl == 1 ? w1c : cl == 2 ? w2c : w3c;
+        const U32 code = code_at(codes + row * (cap * w / 32), c, w);
+        const long at = row * groups + g;
+        x[e] = (cl == 0 ? (float)k1[at] : cl == 1 ? (float)w1s[at] : cl == 2 ? (float)w2s[at] : (float)w3s[at])
+               * (float)code
+               + (cl == 0 ? (float)k2[at] : cl == 1 ? (float)w1b[at] : cl == 2 ? (float)w2b[at] : (float)w3b[at]);
+        if (KO) {
+          const int spot = cl == 0 ? (int)kidx[at] : cl == 1 ? (int)w1i[at] : cl == 2 ? (int)w2i[at] : (int)w3i[at];
+          if (spot == c - g * GK)
+            x[e] += cl == 0 ? (float)kout[at] : cl == 1 ? (float)w1o[at] : cl == 2 ? (float)w2o[at] : (float)w3o[at];
+        }
       }
-      keys[token * D + (int)kord[(long)(bh % kord_shape[0]) * D + s]] = static_cast<TD>(x);
+      if (ROPE) {
+        float sn, cs;
+        TURN_AT((float)c, rfreq[j], sn, cs);
+        const float ra = x[0] * cs - x[1] * sn;
+        const float rb = x[0] * sn + x[1] * cs;
+        x[0] = ra;
+        x[1] = rb;
+      }
+      keys[token * D + a] = static_cast<TD>(x[0]);
+      keys[token * D + b] = static_cast<TD>(x[1]);
     }
   } else if (idx < bhs * n * KPT) {
     const int klane = (int)(idx % KPT);
@@ -346,8 +362,6 @@ def dequantize_history(
     shape = (batch, n_kv, n_tokens, head_dim)
     template = [("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)]
     if key.kind == "kivi_keys":
-        if key.widths and rope is not None:
-            raise ValueError("The history-decode kernel does not turn keys at different widths (stored before RoPE).")
         head, outliers, widths = _decode.kivi_key_inputs(key, key_arrays)
         key_arrays = [*head, *outliers, _decode._no_grid() if rope is None else rope[0], *widths]
         template += [("GK", key_block or group_size), ("KB", key.widest), ("ROPE", int(rope is not None)),

@@ -106,9 +106,11 @@ channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same s
 channel and block as plain KIVI, so the bits are the spec's), stored in a per-head channel order; attention gathers
 the query's channels into that order once and adds one `mx.quantized_matmul` per width. The order and its inverse are
 per-layer constants, counted; a saved cache holds its layer's widths. The decode kernel's tiled pass reads every
-class at its own width with the query gathered into the storage order (`kernels/decode.py`, Codec.widths); it does
-not turn such keys by position (rope=auto keeps them as given), and the history-decode kernel does not read them
-(a prefill chunk decodes the history through MLX, one `mx.dequantize` per width).
+class at its own width with the query gathered into the storage order (`kernels/decode.py`, Codec.widths;
+WIDTH_BACKENDS), and the history-decode kernel writes each decoded row at its channel (dequantize.py;
+WIDTH_HISTORY_BACKENDS: elsewhere a prefill chunk decodes the history through MLX, one `mx.dequantize` per width).
+Keys before RoPE at different widths are turned by both kernels pair by pair, each channel read at its own row and
+width, only on a backend in WIDTH_ROPE_BACKENDS (elsewhere rope=auto keeps such keys as given).
 
 Option `minmax_keys` (true/false; default false) quantizes each key channel's block over its exact min..max
 (`minmax_quantize`) where `mx.quantize` keeps the block's larger-magnitude end exact and widens the step until zero
@@ -386,8 +388,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         else keys before RoPE would make every decode step decode the whole history."""
         if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
             return "kernels are off"
-        if KEY_WIDTHS_OPTION in config.options:
-            return "the decode kernel does not turn key channels at different widths (key_widths) by position"
         if _kernels.available_backend() is None:
             return f"no GPU decode kernel turns keys on the default device ({mx.default_device()})"
         try:
@@ -418,7 +418,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
         if rope.dims != head_dim:
             return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
-        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None)
+        widths = width_choices(config.key_bits) if KEY_WIDTHS_OPTION in config.options else ()
+        if widths and _kernels.available_backend() not in _kernels.decode.WIDTH_ROPE_BACKENDS:
+            return ("the decode kernel's key widths before RoPE (key_widths with rope=pre) have not passed the parity "
+                    "tests on this backend yet")
+        key = Codec("kivi_keys", config.key_bits, grid=cls.grid_of(config, "key") is not None, widths=widths)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
             return (f"only the tiled decode pass turns keys stored before RoPE, and it has no tile for {rows} query "
@@ -442,15 +446,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         return replace(config, options={**config.options, **dict(zip(ROPE_PARAMETERS, astuple(rope), strict=True))})
 
     def _kernel_rope(self) -> tuple[mx.array, bool] | None:
-        # The kernels turn every channel pair: a RoPE over fewer channels (rope_dims < head_dim) has no kernel, nor
-        # do keys at different widths (key_widths).
-        if self._rope is None or self._rope.dims != self._k_head_dim or self._key_order is not None:
+        # The kernels turn every channel pair: a RoPE over fewer channels (rope_dims < head_dim) has no kernel.
+        if self._rope is None or self._rope.dims != self._k_head_dim:
             return None
         return self._rope.frequencies(), self._rope.traditional
 
     def _kernel_declines_here(self, rows: int) -> str | None:
-        if self._rope is not None and self._key_order is not None:
-            return "the decode kernel does not turn key channels at different widths (key_widths with rope=pre)"
         if self._rope is None:
             return self._outlier_kernel_declines(self.config, self._k_head_dim, rows)
         return self._rope_kernel_declines(self.config, self._rope, self._k_head_dim, rows)
@@ -846,7 +847,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 ends.append(end)
             parts = ("key_codes", "key_scales", "key_biases",
                      *(("key_outlier_residuals", "key_outlier_index") if outliers else ()))
-            key_arrays = [_kernels.decode.width_ends(tuple(ends)), self._key_order,
+            key_arrays = [_kernels.decode.width_ends(tuple(ends)), self._key_order, self._key_inverse,
                           *(store.get(f"{part}_w{width}") for width in widths for part in parts)]
             codec = Codec("kivi_keys", self.config.key_bits, outliers=outliers, widths=widths)
             return (codec, key_arrays, *self._value_codec(store, value_grid, symmetric))
