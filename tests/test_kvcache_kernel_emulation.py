@@ -760,10 +760,16 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
     (":s4:key_block=128:key_outliers=1:symmetric_values=true:" + ROPE_SPEC.format("false"), (48, 48, 16, 16)),
     (":w9:s4:" + ROPE_SPEC.format("true"), (32, 64, 32, 0)),
 ])
-def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("uniform", [False, True])
+def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...], uniform: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """key_widths: each class's codes at its width, the query's channels gathered into the keys' storage order
     (and the 16-bit sinks and window read through it), against the reference path (one quantized_matmul per width
-    on the gathered queries), over several key blocks, tiles and splits; a class a layer lacks is skipped."""
+    on the gathered queries), over several key blocks, tiles and splits; a class a layer lacks is skipped. Phase 1
+    class by class and in its uniform form (decode.WIDTH_UNIFORM_RUNS; keys as given only)."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setattr(decode, "WIDTH_UNIFORM_RUNS", uniform)
     for head_dim in (128, 64):
         scaled = tuple(c * head_dim // 128 for c in counts)
         digest = _width_table(head_dim, scaled, seed=sum(scaled))
@@ -772,7 +778,7 @@ def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts:
             cache = _filled(spec, tokens, head_dim, 4, seed=tokens, spiked="outliers" in options)
             plan = cache._decode_plan(4)
             assert plan is not None and ("KCLS", 4) in plan.template and ("KBLO", 2) in plan.template
-            assert ("ROPE", int("rope=pre" in spec)) in plan.template
+            assert ("ROPE", int("rope=pre" in spec)) in plan.template and ("KUNI", int(uniform)) in plan.template
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, head_dim),
                                                                               dtype=np.float32))
             out = cache.attention(queries, None, None, scale=head_dim**-0.5, mask=None)

@@ -833,6 +833,25 @@ _TILED_BODY = """
             }
           }
         }
+      } else if (KCLS && KUNI) {
+        // Key widths, uniform form (KUNI): the slice's channels in one unrolled loop, each at its class's width read at
+        // run time (variable shifts cost what constant ones do, and codes are read as two words), so the two slices of
+        // a warp never wait on each other where they fall into different classes.
+#pragma unroll
+        for (int j = 0; j < DC; ++j) {
+          const int d = slice * DC + j;
+          const int w = KBLO + CLASS_OF(d);
+          const U32 bits = CLASS_RUN_CODES(d, w);
+          float q[R];
+#pragma unroll
+          for (int r = 0; r < R; ++r) q[r] = sh_qs[QS_AT(d, r)];
+#pragma unroll
+          for (int i = 0; i < TT; ++i) {
+            const float x = unit_code(bits, i, w, one_bits);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[i][r] += q[r] * x;
+          }
+        }
       } else if (KCLS) {
         // Key widths: the slice's channels class by class, each at its own (compile-time) width.
 #pragma unroll
@@ -1277,6 +1296,11 @@ WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # the reference in the tests (tests/test_kvcache_kernel_emulation.py); no GPU has run them yet.
 WIDTH_ROPE_BACKENDS: tuple[str, ...] = ("emulate",)
 
+# Key widths, keys as given: phase 1 of the tiled pass in its uniform form (template KUNI: every channel of a slice in
+# one loop, its width read at run time) rather than class by class at compile-time widths (the measured default:
+# decode-key-widths-h200.json); benchmarks/decode.py times both with `#WIDTH_UNIFORM_RUNS=true`.
+WIDTH_UNIFORM_RUNS = False
+
 # The tiled pass (`_TILED_BODY`) for the KIVI-keys + affine-values pair; False selects the per-subgroup pass for
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
@@ -1602,7 +1626,8 @@ def plan_decode(
                     ("TT", TILED_RUN),
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
                     ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)),
-                    ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits))
+                    ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits),
+                    ("KUNI", int(WIDTH_UNIFORM_RUNS and bool(key_codec.widths))))
         head, outliers, widths = kivi_key_inputs(key_codec, key_arrays)
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
         # keys' block outliers (placeholders without), then the key widths' inputs
