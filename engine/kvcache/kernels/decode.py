@@ -1286,7 +1286,9 @@ OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # test on the lent H200 (tests/test_kvcache_kernels.py::test_decode_kernel_reads_key_widths: two class layouts, 1,000
 # to 33,000 tokens, with the single-width tiled tests rerun; 69 passed, kernel-parity-widths-h200.log), where the
 # 3-bit layout with widths decoded at 0.74x/0.63x/0.51x of fp16 at 8k/32k/131k against 0.81x/0.75x/0.67x for the
-# same layout without them (benchmarks/results/decode-key-widths-h200.json). Metal runs the same body: enabled by
+# same layout without them (benchmarks/results/decode-key-widths-h200.json). Changed since, on the emulator's word: the
+# key blocks per row counted from the capacity (a layer without its narrowest class), keys before RoPE (admitted by
+# WIDTH_ROPE_BACKENDS only) and the uniform phase 1 (WIDTH_UNIFORM_RUNS, off). Metal runs the same body: enabled by
 # construction, as every kernel here.
 WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 

@@ -255,12 +255,14 @@ _KIVI_BODY = """
 KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # Backends where `_KIVI_BODY` decodes key channels at different widths (KIVI's key_widths; elsewhere such a history is
 # decoded through MLX, one mx.dequantize per width and a gather). The CPU emulator checks it against the reference
-# (tests/test_kvcache_kernel_emulation.py, a layer without its narrowest class among the layouts). On the lent H200
-# the GPU parity test passed (test_kivi_history_decode_kernel_matches_reference[level3-widths], 300 to 33,000 tokens;
+# (tests/test_kvcache_kernel_emulation.py, a layer without its narrowest class among the layouts, keys before RoPE).
+# On the lent H200 its first form (each lane's rows in storage order, keys as given) passed the GPU parity test
+# (test_kivi_history_decode_kernel_matches_reference[level3-widths], 300 to 33,000 tokens;
 # kernel-parity-widths-r2-h200.log), but a 32k-token prefill of the 8B shape then failed with an illegal memory
 # access, before the fix of a layer whose narrowest class is empty (its arrays are placeholders, whose shape the
-# kernels read for the key blocks per row; decode-key-widths-r2-h200.json): held back from CUDA and Metal until a
-# prefill there passes.
+# kernels read for the key blocks per row; decode-key-widths-r2-h200.json). The present form (pair by pair through
+# the inverse order, so keys before RoPE are turned too; WIDTH_ROPE_BACKENDS) has run on the emulator only: held back
+# from CUDA and Metal until the parity test and a prefill pass there.
 WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
