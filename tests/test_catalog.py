@@ -126,6 +126,21 @@ def test_load_model_gives_a_working_model(default_model_path) -> None:
     assert bool(mx.all(mx.isfinite(logits)))
 
 
+def test_the_weights_fingerprint_is_the_checkpoints_on_every_device(default_model_path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader stamps the fingerprint of the weights as the checkpoint gives them: the CPU's fp32 copy and the
+    packed weights a GPU keeps (here: the CPU's fast path declined) are told apart by their sampled fingerprints but
+    name one checkpoint, so a calibration made on either (the bundled ones: on the CPU) is found on the other."""
+    from engine.kvcache.quant.vq import sampled_fingerprint, weights_fingerprint
+    from engine.models import catalog
+
+    fp32, _, _ = load_model(default_model_dir())
+    monkeypatch.setattr(catalog, "prefer_fp32_weights", lambda: False)
+    packed, _, _ = load_model(default_model_dir())
+    assert sampled_fingerprint(fp32) != sampled_fingerprint(packed)
+    assert weights_fingerprint(fp32) == weights_fingerprint(packed) == sampled_fingerprint(packed)
+
+
 # ------------------------------------------------------------------------------------- tiny folders
 
 

@@ -30,6 +30,7 @@ import mlx_lm
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from engine.errors import ModelError
+from engine.kvcache.quant.vq import FINGERPRINT_ATTRIBUTE, sampled_fingerprint
 from engine.models.default_model import (
     DEFAULT_MODEL_NAME,
     default_model_dir,
@@ -678,6 +679,8 @@ def load_model(
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ModelError(f"The model in {info.path} could not be loaded: {reason}") from error
 
+    # The weights' fingerprint as the checkpoint gives them, before this device prepares them (see FINGERPRINT_ATTRIBUTE).
+    fingerprint = sampled_fingerprint(model)
     # On CPU, fp32 weights are much faster than dequantizing 4-bit weights at every step.
     if prefer_fp32_weights():
         report("Converting weights to fp32 for the CPU", 0.8)
@@ -687,6 +690,7 @@ def load_model(
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ModelError(f"The model in {info.path} could not be prepared for the CPU: {reason}") from error
     _compute_in_declared_dtype_on_gpu(model, info)
+    setattr(model, FINGERPRINT_ATTRIBUTE, fingerprint)
     report("Model ready", 1.0)
     return model, tokenizer, info
 

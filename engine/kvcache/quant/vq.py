@@ -108,7 +108,22 @@ def model_identity(model: Any, name: str = "") -> dict[str, Any]:
 FINGERPRINT_SAMPLES = 1024
 
 
+# The attribute the model loader (engine.models.catalog.load_model) sets on the model it returns: the fingerprint of the
+# weights as the checkpoint gives them, taken before the device's own preparation (fp32 weights on the CPU, 16-bit
+# norms on a GPU). One checkpoint then has one fingerprint on every device, so a calibration or codebook made on one
+# (the bundled ones are made on the CPU) is found on the others; taken after, a GPU or a Mac missed them and measured
+# its own.
+FINGERPRINT_ATTRIBUTE = "velox_weights_fingerprint"
+
+
 def weights_fingerprint(model: Any) -> str:
+    """The fingerprint of `model`'s weights: the loader's (FINGERPRINT_ATTRIBUTE) where it set one, else
+    `sampled_fingerprint` of the weights as they are."""
+    stamped = getattr(model, FINGERPRINT_ATTRIBUTE, None)
+    return stamped if isinstance(stamped, str) else sampled_fingerprint(model)
+
+
+def sampled_fingerprint(model: Any) -> str:
     """A sha256 over every parameter's name, shape, dtype and FINGERPRINT_SAMPLES elements strided over it.
 
     `model_identity` hashes the architecture only, which two fine-tunes of one base share; a fine-tune (or a
