@@ -245,3 +245,21 @@ def test_wide_layers_get_widths_around_their_own_bits() -> None:
     for cache, layer in zip(caches, table, strict=True):
         assert sorted(n for n in cache._store if n.startswith("key_codes")) == sorted(
             f"key_codes_w{w}" for w in np.unique(layer))
+
+
+@pytest.mark.parametrize("rope", ["", ":rope=pre"])
+def test_the_bundled_widths_of_the_default_model_are_what_it_measures(smollm, rope: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 3-bit layout's key widths on the default model ship with Velox (keys as given and before RoPE), so its
+    first use measures nothing and every device uses the widths the CPU figures were measured with; measured again
+    here (bundle and data folder set aside), the calibration writes the same key and the same widths."""
+    model, tokenizer, _ = smollm
+    monkeypatch.setattr(calibration, "BUNDLED_DIR", tmp_path / "no-bundle")
+    monkeypatch.setattr(calibration, "_TABLES", {})
+    monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path / "data"))
+    spec = ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true:wide=0.1:"
+            "key_widths=calibrated" + rope)
+    digest = KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model, tokenizer=tokenizer).config.options["key_widths"]
+    measured = json.loads((calibration_dir() / f"key_widths-{digest}.json").read_text())
+    bundled = json.loads((Path(calibration.__file__).with_name("calibrations") / f"key_widths-{digest}.json").read_text())
+    assert bundled["key"] == measured["key"] and bundled["widths"] == measured["widths"]
