@@ -593,7 +593,9 @@ _TILED_BODY = """
   const int half = TID / CT;     // ... and its share of the channels
 
   // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
-  constexpr int NKW = (D * KW + NT - 1) / NT;
+  // KCLS: the classes' rows hold D x CT x KMEAN / 32 words a tile (their widths average the layer's key bits, KMEAN,
+  // exactly), fewer than D rows at the widest width's KW.
+  constexpr int NKW = KCLS ? (D * CT * KMEAN / 32 + NT - 1) / NT : (D * KW + NT - 1) / NT;
   constexpr int NVW = (CT * VWT + NT - 1) / NT;
   constexpr int NVG = (CT * VG + NT - 1) / NT;
   constexpr int NDK = (D + NT - 1) / NT;
@@ -1629,7 +1631,7 @@ def plan_decode(
                     ("ROPE", int(rope is not None)), ("TRAD", int(rope is not None and rope[1])),
                     ("KO", int(key_codec.outliers)), ("VSYM", int(value_codec.symmetric)),
                     ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits),
-                    ("KUNI", int(WIDTH_UNIFORM_RUNS and bool(key_codec.widths))))
+                    ("KUNI", int(WIDTH_UNIFORM_RUNS and bool(key_codec.widths))), ("KMEAN", key_codec.bits))
         head, outliers, widths = kivi_key_inputs(key_codec, key_arrays)
         # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
         # keys' block outliers (placeholders without), then the key widths' inputs

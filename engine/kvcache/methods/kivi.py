@@ -845,6 +845,10 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             for width in widths:
                 end = present.get(width, end)
                 ends.append(end)
+            # The tiled pass stages D x key bits words a token (KMEAN): the widths must average the key bits exactly
+            # (WidthClasses checks it when the widths are set).
+            assert sum((e - s) * w for w, s, e in zip(widths, [0, *ends], ends, strict=False)) == (
+                self._k_head_dim * self.config.key_bits)
             parts = ("key_codes", "key_scales", "key_biases",
                      *(("key_outlier_residuals", "key_outlier_index") if outliers else ()))
             key_arrays = [_kernels.decode.width_ends(tuple(ends)), self._key_order, self._key_inverse,
