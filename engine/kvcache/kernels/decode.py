@@ -1558,8 +1558,8 @@ def kivi_key_inputs(key_codec: Codec,
 def _width_inputs(key_codec: Codec,
                   key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
     """`kivi_key_inputs` with key widths (`Codec.widths`): class 0's codes, scales, biases and outliers, then the ends,
-    the order and every other class's five, a placeholder for each class the layer lacks (and for the outliers where
-    there are none)."""
+    the order, its inverse and every other class's five, a placeholder for each class the layer lacks (and for the
+    outliers where there are none)."""
     ends, order, inverse, *per_class = key_arrays
     assert ends is not None and order is not None and inverse is not None
     parts = 5 if key_codec.outliers else 3
