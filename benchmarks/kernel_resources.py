@@ -147,26 +147,41 @@ PAIRS = (
      64, 128),
     ("kivi 3, key outliers before RoPE (3-bit level)", Codec("kivi_keys", 3, outliers=True),
      Codec("affine", 3, symmetric=True), 64, -128),
+    # key channels at 2-5 bits averaging 3 (key_widths), keys as given, class by class and uniform (suffix), and before
+    # RoPE
+    ("kivi 3, key widths (3-bit layout)", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
+     Codec("affine", 3, symmetric=True), 64, 128),
+    ("kivi 3, key widths, uniform runs", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
+     Codec("affine", 3, symmetric=True), 64, 128),
+    ("kivi 3, key widths before RoPE", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
+     Codec("affine", 3, symmetric=True), 64, -128),
+    ("kivi 3, key widths, no prefetch", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
+     Codec("affine", 3, symmetric=True), 64, 128),
     ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
     ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
 )
 
 
-def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int) -> str:
+def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int,
+                uniform: bool = False, prefetch: bool = True) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
-                ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.bits),
-                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", 1), ("TT", TILED_RUN),
+                ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
+                ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", int(prefetch)), ("TT", TILED_RUN),
                 ("ROPE", int(rope)), ("TRAD", 0), ("KO", int(key.outliers)), ("VSYM", int(value.symmetric)), ("CS", 4), ("NS", 4), ("HW", 1),
+                ("KCLS", len(key.widths)), ("KBLO", key.widths[0] if key.widths else key.bits),
+                ("KUNI", int(uniform)), ("KMEAN", key.bits),
                 ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
              "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",
-             "rfreq": "float32", "kout": "float16", "kidx": "uint8"}
+             "rfreq": "float32", "kout": "float16", "kidx": "uint8", "kends": "int32", "kord": "uint8", "kinv": "uint8",
+             **{f"w{c}{part}": kind for c in range(1, 4)
+                for part, kind in (("c", "uint32"), ("s", "bfloat16"), ("b", "bfloat16"), ("o", "float16"), ("i", "uint8"))}}
     for prefix, codec in (("k", key), ("v", value)):
         for slot in range(codec.slots):
             codes = slot == 0 or (codec.kind == "rvq" and slot == 3)
@@ -187,7 +202,9 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
-    units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows)) for label, k, v, g, kb in PAIRS]
+    units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows, uniform="uniform" in label,
+                                 prefetch="no prefetch" not in label))
+             for label, k, v, g, kb in PAIRS]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
                                 [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),
                                  ("MAXS", 256), ("ROT", 1), ("TO", "bfloat16")])))

@@ -1504,10 +1504,11 @@ def _no_grid() -> mx.array:
 
 
 def _no_outliers() -> tuple[mx.array, mx.array]:
-    """The tiled pass's block-outlier inputs for keys without them (KO = 0: never read)."""
+    """The tiled pass's block-outlier inputs for keys without them (KO = 0: never read; 8 elements, see
+    `_placeholder`)."""
     pair = _DUMMIES.get((1, "outliers"))
     if pair is None:
-        pair = _DUMMIES[(1, "outliers")] = (mx.zeros((1,), dtype=mx.float16), mx.zeros((1,), dtype=mx.uint8))
+        pair = _DUMMIES[(1, "outliers")] = (_placeholder(mx.float16), _placeholder(mx.uint8))
     return pair
 
 
@@ -1593,11 +1594,13 @@ def width_ends(ends: tuple[int, ...]) -> mx.array:
 
 
 def _placeholder(dtype: mx.Dtype) -> mx.array:
-    """One element of `dtype`, for an input a launch never reads (a kernel's signature has its inputs' dtypes)."""
-    key = (1, str(dtype))
+    """Zeros of `dtype` for an input a launch never reads (a kernel's signature has its inputs' dtypes). Eight
+    elements: MLX's Metal front end passes a smaller input in the `constant` address space (kernels/backend.py), and a
+    kernel choosing between a class's arrays and a placeholder (`p = c == 0 ? k0 : w1c`) needs both in `device`."""
+    key = ("placeholder", str(dtype))
     array = _DUMMIES.get(key)
     if array is None:
-        array = _DUMMIES[key] = mx.zeros((1,), dtype=dtype)
+        array = _DUMMIES[key] = mx.zeros((8,), dtype=dtype)
     return array
 
 
