@@ -620,12 +620,12 @@ _TILED_BODY = """
   // words per row run once per split, not per tile: they were more instructions than phase 1's): its shared slot x 4
   // + its class (-1: no word), and its source index less the tile's part, which is (tile start / 32) x the width.
   int st_kat[KCLS ? NKW : 1];
-  long st_ksrc[KCLS ? NKW : 1];
+  const GLOBAL U32* st_kptr[KCLS ? NKW : 1];   // ... and where in its class's codes the word of the split's first tile is
   if (KCLS) {
     for (int j = 0; j < NKW; ++j) {
       const int i = TID + j * NT;   // word i of the classes' rows one after another
       st_kat[KCLS ? j : 0] = -1;
-      st_ksrc[KCLS ? j : 0] = 0;
+      st_kptr[KCLS ? j : 0] = k0;
       if (i < cls_words) {
         const int c = (i >= off1) + (i >= off2) + (i >= off3);
         const int w = KBLO + c;
@@ -633,11 +633,23 @@ _TILED_BODY = """
         const int local = i - PICK4(c, 0, off1, off2, off3);
         const int first = PICK4(c, 0, e0, e1, e2);
         const int rows = PICK4(c, e0, e1, e2, e3) - first;
-        st_ksrc[KCLS ? j : 0] = ((long)bh * rows + local / kwc) * (cap * w / 32) + local % kwc;
+        st_kptr[KCLS ? j : 0] = PICK4(c, k0, w1c, w2c, w3c) + ((long)bh * rows + local / kwc) * (cap * w / 32)
+                                + local % kwc;
         st_kat[KCLS ? j : 0] = ((first + local / kwc) * KWP + local % kwc) * 4 + c;
       }
     }
   }
+  // KCLS: this thread's key channel row (TID < D: NDK is 1, as NT >= D) in its class's scales, biases and outliers,
+  // chosen once per split (a choice among four loads per tile otherwise), and the row's 2^width (phase 1's x).
+  static_assert(!KCLS || NDK == 1, "key widths: one key channel row per thread");
+  const int my_c = KCLS ? CLASS_OF(TID < D ? TID : 0) : 0;
+  const int my_first = PICK4(my_c, 0, e0, e1, e2);
+  const long my_row = ((long)bh * (PICK4(my_c, e0, e1, e2, e3) - my_first) + (TID < D ? TID : 0) - my_first) * k_groups;
+  const auto my_ks = PICK4(my_c, k1, w1s, w2s, w3s) + (KCLS ? my_row : 0);
+  const auto my_kb = PICK4(my_c, k2, w1b, w2b, w3b) + (KCLS ? my_row : 0);
+  const auto my_ko = PICK4(my_c, kout, w1o, w2o, w3o) + (KCLS ? my_row : 0);
+  const auto my_ki = PICK4(my_c, kidx, w1i, w2i, w3i) + (KCLS ? my_row : 0);
+  const float my_kup = (float)(1u << (KBLO + my_c));
   U32 st_vw[NVW];
   float st_vs[NVG];
   float st_vb[NVG];
@@ -680,11 +692,7 @@ _TILED_BODY = """
       const int i = TID + j * NT; \
       if (KCLS) { \
         const int kat = st_kat[KCLS ? j : 0]; \
-        if (kat >= 0) { \
-          const int c = kat & 3; \
-          const long src = st_ksrc[KCLS ? j : 0] + (long)(sb / 32) * (KBLO + c); \
-          st_kw[j] = PICK4(c, k0[src], w1c[src], w2c[src], w3c[src]); \
-        } \
+        if (kat >= 0) st_kw[j] = st_kptr[KCLS ? j : 0][(long)(sb >> 5) * (KBLO + (kat & 3))]; \
       } else if (FULL_KW || i < D * KW) { \
         if (KEY_ROWS) st_kw[j] = k0_mine[(long)(j * (NT / KW)) * k_row + sb * KB / 32]; \
         else st_kw[j] = k0[((long)bh * D + i / KW) * k_row + (long)sb * KB / 32 + i % KW]; \
@@ -718,14 +726,11 @@ _TILED_BODY = """
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
       if ((FULL_DK || d < D) && KCLS) { \
-        const int c = CLASS_OF(d); \
-        const int first = PICK4(c, 0, e0, e1, e2); \
-        const long src = ((long)bh * (PICK4(c, e0, e1, e2, e3) - first) + d - first) * k_groups + kg; \
-        st_ks[j] = PICK4(c, (float)k1[src], (float)w1s[src], (float)w2s[src], (float)w3s[src]); \
-        st_kb[j] = PICK4(c, (float)k2[src], (float)w1b[src], (float)w2b[src], (float)w3b[src]); \
+        st_ks[j] = (float)my_ks[kg]; \
+        st_kb[j] = (float)my_kb[kg]; \
         if (KO) { \
-          st_ko[KO ? j : 0] = PICK4(c, (int)kidx[src], (int)w1i[src], (int)w2i[src], (int)w3i[src]) - sb % GK; \
-          st_kd[KO ? j : 0] = PICK4(c, (float)kout[src], (float)w1o[src], (float)w2o[src], (float)w3o[src]); \
+          st_ko[KO ? j : 0] = (int)my_ki[kg] - sb % GK; \
+          st_kd[KO ? j : 0] = (float)my_ko[kg]; \
         } \
       } else if (FULL_DK || d < D) { \
         st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
@@ -755,7 +760,7 @@ _TILED_BODY = """
       const int d = TID + j * NT; \
       if (FULL_DK || d < D) { \
         /* KCLS: each class's codes are read against 2^(its width) (phase 1) */ \
-        const float kup = KCLS ? (float)(1u << (KBLO + CLASS_OF(d))) : KUP; \
+        const float kup = KCLS ? my_kup : KUP; \
         sh_kb[d] = KFOLD ? st_kb[j] - kup * st_ks[j] : st_kb[j]; \
         sh_ks[d] = kup * st_ks[j]; \
         for (int r = 0; r < R; ++r) sh_qs[QS_AT(d, r)] = sh_q[d * R + r] * (kup * st_ks[j]); \
