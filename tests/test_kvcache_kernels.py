@@ -118,7 +118,7 @@ def _mlx_include() -> Path | None:
 def _cuda_type(dtype: mx.Dtype) -> str:
     return {
         mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-        mx.uint32: "uint32_t", mx.uint8: "uint8_t",
+        mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int32: "int32_t",
     }[dtype]
 
 
@@ -150,6 +150,12 @@ def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
     return dtypes
 
 
+# The key widths' inputs (decode.WIDTH_INPUTS) of the kernels reading KIVI keys, as the caches pass them.
+_WIDTH_DTYPES = {"kends": mx.int32, "kord": mx.uint8, "kinv": mx.uint8} | {
+    f"w{c}{part}": dtype for c in (1, 2, 3)
+    for part, dtype in (("c", mx.uint32), ("s", mx.bfloat16), ("b", mx.bfloat16), ("o", mx.float16), ("i", mx.uint8))}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or _mlx_include() is None,
                     reason="needs nvcc and MLX's CUDA device headers (mlx/include) to compile CUDA sources")
 def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
@@ -170,28 +176,33 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         units.append(_cuda_unit(encode_source(stages), dtypes, dtypes,
                                 {"D": 128, "NT": 128, "TN": mx.bfloat16, "B1": 2, "NB1": 3, "B2": 2, "NB2": 3}))
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
-    # keys as given; keys stored before RoPE (KIVI's rope=pre); each with block outliers (key_outliers)
-    for rope, outliers in ((0, 0), (1, 0), (0, 1), (1, 1)):
-        units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine)
+    # keys as given; keys stored before RoPE (KIVI's rope=pre); each with block outliers (key_outliers); key channels at
+    # widths 2-5 (key_widths: KCLS), class by class and uniform, as given and before RoPE
+    for rope, outliers, classes, uniform in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0), (0, 1, 4, 0),
+                                             (0, 1, 4, 1), (1, 1, 4, 0)):
+        units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
                                 | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32, "kout": mx.float16,
                                    "kidx": mx.uint8},
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 4, "VB": 4,
-                                 "KGRID": 1 - outliers, "PF": 1, "VGRID": 0, "ROPE": rope, "TRAD": 0, "KO": outliers,
-                                 "VSYM": outliers,
-                                 "TT": TILED_RUN, "CS": 4, "NS": 4, "HW": 1, "TD": mx.bfloat16}))
-    for symmetric in (0, 1):  # KIVI's history decode: keys before RoPE with block outliers; values with(out) biases
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 5 if classes else 4,
+                                 "VB": 4, "KGRID": int(not outliers and not classes), "PF": 1, "VGRID": 0, "ROPE": rope,
+                                 "TRAD": 0, "KO": outliers, "VSYM": outliers, "TT": TILED_RUN, "CS": 4, "NS": 4,
+                                 "HW": 1, "KCLS": classes, "KBLO": 2 if classes else 4, "KUNI": uniform,
+                                 "KMEAN": 3 if classes else 4, "TD": mx.bfloat16}))
+    # KIVI's history decode: keys before RoPE with block outliers; values with(out) biases; key widths 2-5
+    for symmetric, classes in ((0, 0), (1, 0), (1, 4)):
         value = Codec("affine", 3, symmetric=bool(symmetric))
         dtypes = {"k0": mx.uint32, "k1": mx.bfloat16, "k2": mx.bfloat16, "kout": mx.float16, "kidx": mx.uint8,
                   "rfreq": mx.float32, "v0": mx.uint32, "v1": mx.bfloat16, "v2": mx.bfloat16, "n_comp_r": mx.uint8}
-        units.append(_cuda_unit(dequantize_source(Codec("kivi_keys", 3, outliers=True), value), dtypes,
+        key = Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5) if classes else ())
+        units.append(_cuda_unit(dequantize_source(key, value), dtypes | _WIDTH_DTYPES,
                                 {"keys": mx.bfloat16, "values": mx.bfloat16},
-                                {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16, "GK": 128, "KB": 3, "ROPE": 1,
-                                 "TRAD": 0, "KO": 1}))
+                                {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16, "GK": 128, "KB": 5 if classes else 3,
+                                 "ROPE": 1, "TRAD": 0, "KO": 1, "KCLS": classes, "KBLO": 2 if classes else 3}))
     for key, value in pairs:
         if key.kind != "kivi_keys":
             dtypes = {name: dtype for name, dtype in _attend_dtypes(key, value).items() if name[0] in "kv" and name[1:].isdigit()}
-            units.append(_cuda_unit(dequantize_source(key, value), dtypes | {"n_comp_r": mx.uint8},
+            units.append(_cuda_unit(dequantize_source(key, value), dtypes | {"n_comp_r": mx.uint8, "sk": mx.float16},
                                     {"keys": mx.bfloat16, "values": mx.bfloat16},
                                     {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
