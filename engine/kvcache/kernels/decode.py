@@ -860,18 +860,19 @@ _TILED_BODY = """
           }
         }
       } else if (KCLS) {
-        // Key widths: the slice's channels class by class, each at its own (compile-time) width.
+        // Key widths: the slice's channels class by class, each at its own (compile-time) width. A slice takes every
+        // SLICES-th row (row = slice mod SLICES), not DC consecutive ones: every slice then holds about as many rows
+        // of each class, so the two slices of a warp run the same trip counts (consecutive rows put a class boundary
+        // between them, and the warp ran both slices' loops one after the other).
 #pragma unroll
         for (int c = 0; c < (KCLS ? KCLS : 1); ++c) {
           const int w = KBLO + c;
           const int lo0 = PICK4(c, 0, e0, e1, e2);
           const int hi0 = PICK4(c, e0, e1, e2, e3);
-          const int lo = lo0 > slice * DC ? lo0 : slice * DC;
-          const int hi = hi0 < slice * DC + DC ? hi0 : slice * DC + DC;
           const int cbit = run * TT * w;
           const int cw0 = cbit >> 5;
           const int csh = cbit & 31;
-          for (int d = lo; d < hi; ++d) {
+          for (int d = lo0 + (slice - lo0 % SLICES + SLICES) % SLICES; d < hi0; d += SLICES) {
             const int at = d * KWP + cw0;
             const U32 bits = ((32 % w) != 0) ? (U32)((((U64)sh_kw[at + 1] << 32) | (U64)sh_kw[at]) >> csh)
                                              : sh_kw[at] >> csh;
