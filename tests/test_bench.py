@@ -1074,3 +1074,14 @@ def test_needle_grid_is_sized_from_the_command_line() -> None:
     assert plan.needle_seeds == (0, 1, 2, 3) and plan.needle_lengths == (1024, 4096)
     assert len(plan.needle_seeds) * len(plan.needle_depths) * len(plan.needle_lengths) == 40
     assert Context(parser.parse_args(["quality"])).plan.needle_seeds == (0, 1)
+
+
+def test_a_needle_grid_without_the_16bit_cache_is_refused_before_its_trials() -> None:
+    """Recall is reported against fp16's own trials: without fp16 among the specs the run would spend its trials (minutes
+    each on a GPU) and fail when it combines them, so it is refused first."""
+    from types import SimpleNamespace
+
+    from benchmarks.harness.cli import BenchmarkError, _quality_needle
+
+    with pytest.raises(BenchmarkError, match="needs 'fp16'"):
+        _quality_needle(None, [SimpleNamespace(text="kivi:k4v4:g64")])  # type: ignore[arg-type]
