@@ -258,6 +258,17 @@ INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
     const float angle_ = (position) * (freq); \
     const float turns_ = RINT(angle_ * 0.159154943091895f); \
     SINCOS_PI(FMA(-turns_, -1.7484555314695172e-07f, FMA(-turns_, 6.2831854820251465f, angle_)), sn, cs); }
+
+// Key widths (KCLS > 0; KIVI's key_widths), for the kernels that read them (the tiled pass, the history decode): each
+// class's end row in storage order, e0..e3 (a class the layout has not ends at D); one of four values by a class c
+// (only the chosen one is evaluated); the class of storage row d.
+#define WIDTH_CLASS_ENDS \
+  const int e0 = KCLS > 0 ? (int)kends[0] : D; \
+  const int e1 = KCLS > 1 ? (int)kends[1] : D; \
+  const int e2 = KCLS > 2 ? (int)kends[2] : D; \
+  const int e3 = KCLS > 3 ? (int)kends[3] : D;
+#define PICK4(c, a0, a1, a2, a3) ((c) == 0 ? (a0) : (c) == 1 ? (a1) : (c) == 2 ? (a2) : (a3))
+#define CLASS_OF(d) (((d) >= e0) + ((d) >= e1) + ((d) >= e2))
 """
 
 # The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group),
@@ -501,10 +512,7 @@ _TILED_BODY = """
   // The query's channels are gathered into the storage order as they are loaded (kord: each kv head's order), so
   // phase 1 meets every key row with its own channel, and the 16-bit tokens read their keys through the same order.
   // KB is then the widest class's width (the staged rows' stride); every class's row of a tile is whole words.
-  const int e0 = KCLS > 0 ? (int)kends[0] : D;
-  const int e1 = KCLS > 1 ? (int)kends[1] : D;
-  const int e2 = KCLS > 2 ? (int)kends[2] : D;
-  const int e3 = KCLS > 3 ? (int)kends[3] : D;
+  WIDTH_CLASS_ENDS
   // Class c's first staged word among a tile's key words (all classes' rows one after another): off1, off2, off3.
   const int off1 = e0 * (CT * KBLO / 32);
   const int off2 = off1 + (e1 - e0) * (CT * (KBLO + 1) / 32);
@@ -533,9 +541,6 @@ _TILED_BODY = """
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
 #define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
 #define S_AT(h, r, t) ((h) * SS + (r) * CTP + (t) + (t) / 32)
-// KCLS: one of four values by a key class c (only the chosen one is evaluated), and the class of storage row d.
-#define PICK4(c, a0, a1, a2, a3) ((c) == 0 ? (a0) : (c) == 1 ? (a1) : (c) == 2 ? (a2) : (a3))
-#define CLASS_OF(d) (((d) >= e0) + ((d) >= e1) + ((d) >= e2))
 // KCLS: a phase-1 run's TT codes of storage row `row` at width `w` (runtime), code 0 at bit 0 (two words, always).
 #define CLASS_RUN_CODES(row, w) \
   ((U32)((((U64)sh_kw[(row) * KWP + ((run * TT * (w)) >> 5) + 1] << 32) | \

@@ -154,6 +154,148 @@ _KIVI_BODY = """
   const long n = (long)n_comp_r_shape[0] - 1;
   const long bhs = (long)v0_shape[0] * v0_shape[1];
   const long idx = (long)GROUP_X * NT + TID;
+  if (idx < bhs * n * KPT) {
+    const int klane = (int)(idx % KPT);
+    const long token = idx / KPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const int g = c / GK;
+    // Key widths (KCLS): each channel is read at its storage row (kinv) with its class's width from its class's arrays,
+    // as the decode pass's tiled staging reads them.
+    WIDTH_CLASS_ENDS
+    const long cap = (long)v0_shape[2];
+    const long groups = cap / GK;   // key blocks per row (class 0's arrays may be a placeholder: no shape to read)
+    const long head = (long)(bh % kinv_shape[0]) * D;
+    for (int i = 0; i < 8; ++i) {
+      const int j = klane * 8 + i;     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
+      const int a = (ROPE && !TRAD) ? j : 2 * j;
+      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
+      float x[2];
+      for (int e = 0; e < 2; ++e) {
+        if (KCLS) {
+          const int s = (int)kinv[head + (e ? b : a)];
+          const int cl = CLASS_OF(s);
+          const int w = KBLO + cl;
+          const int first = PICK4(cl, 0, e0, e1, e2);
+          const long row = (long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first);
+          const U32 code = code_at(PICK4(cl, k0, w1c, w2c, w3c) + row * (cap * w / 32), c, w);
+          const long at = row * groups + g;
+          x[e] = PICK4(cl, (float)k1[at], (float)w1s[at], (float)w2s[at], (float)w3s[at]) * (float)code
+                 + PICK4(cl, (float)k2[at], (float)w1b[at], (float)w2b[at], (float)w3b[at]);
+          if (KO && PICK4(cl, (int)kidx[at], (int)w1i[at], (int)w2i[at], (int)w3i[at]) == c - g * GK)
+            x[e] += PICK4(cl, (float)kout[at], (float)w1o[at], (float)w2o[at], (float)w3o[at]);
+        } else {
+          const long row = (long)bh * D + (e ? b : a);
+          const U32 code = code_at(k0 + row * k0_shape[3], c, KB);
+          x[e] = (float)k1[row * k1_shape[3] + g] * (float)code + (float)k2[row * k2_shape[3] + g];
+          if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x[e] += (float)kout[row * kout_shape[3] + g];
+        }
+      }
+      if (ROPE) {
+        float sn, cs;
+        TURN_AT((float)c, rfreq[j], sn, cs);
+        const float ra = x[0] * cs - x[1] * sn;
+        const float rb = x[0] * sn + x[1] * cs;
+        x[0] = ra;
+        x[1] = rb;
+      }
+      keys[token * D + a] = static_cast<TD>(x[0]);
+      keys[token * D + b] = static_cast<TD>(x[1]);
+    }
+  }
+  if (idx < bhs * n * TPT) {
+    const int lane = (int)(idx % TPT);
+    const long token = idx / TPT;          // (bh, c) in row-major order: the output's row
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const long at = token * D + lane * 8;
+    float out[8];
+    float mul;
+#if KEY_SKETCH
+    const int u = 0;  // the decode pass's names for one token in flight, which the sketch macros fill
+    U32 ksg[1][SK];
+    float kmul2[1];
+#endif
+    LOAD_KEY(c, out, mul);
+#if KEY_SKETCH && PROJ
+    // Σ_j sign_j · S[j, :] computed beforehand for every token as one matmul (`proj`: SKETCH_HISTORY_MATMUL)
+    {
+      const float factor = kmul2[0] * (1.2533141373155003f / (float)(SK * D));
+      for (int i = 0; i < 8; ++i) out[i] += factor * (float)proj[at + i];
+    }
+#elif KEY_SKETCH
+    {
+      // out += kmul2 · sqrt(π/2)/m · Σ_j sign_j · S[j, 8·lane .. 8·lane + 8), over the token's m = SK·D sign bits
+      constexpr int M = SK * D;
+      float acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int w = 0; w < M / 32; ++w) {
+        const U32 word = KEY_SIGN_WORD(c, w);
+        for (int b = 0; b < 32; ++b) {
+          const float sign = ((word >> b) & 1u) ? 1.0f : -1.0f;
+          const long row = (long)(32 * w + b) * D + lane * 8;
+          for (int i = 0; i < 8; ++i) acc[i] += sign * (float)sk[row + i];
+        }
+      }
+      const float factor = kmul2[0] * (1.2533141373155003f / (float)M);
+      for (int i = 0; i < 8; ++i) out[i] += factor * acc[i];
+    }
+#endif
+    for (int i = 0; i < 8; ++i) keys[at + i] = static_cast<TD>(out[i] * mul);
+    LOAD_VALUE(c, out, mul);
+    for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
+  }
+"""
+
+
+# Sketched keys' history by a matmul (SKETCH_HISTORY_MATMUL): `_SIGNS_BODY` writes every token's m signs as ±1
+# (float32, a thread per entry: a warp's stores are 128 contiguous bytes), one float32 matmul with the m×D sketch S
+# gives Σ_j sign_j·S[j, :] per token (in float16 its rounding, ~1e-4 on a key entry, exceeded the reference's 2^-10),
+# and `_BODY` (PROJ = 1) reads that in place of its own m·8 multiply-adds a thread, which read all m rows of S for
+# every token and lane: qjl:k4v4's 16k-token layer history on the H200 took 2.51 ms that way and 1.34 ms now
+# (history-profile-r2-h200.json, history-profile-r4-h200.json); unpacking the signs with MLX operations had taken 1.5
+# ms alone (history-decode-profile-h200.json).
+_SIGNS_BODY = """
+  // Template: W (sign words per token), TD. Thread: bit b of word w of token c's packed signs (bit 1 = +1), so a warp
+  // writes 32 consecutive entries (a thread per word wrote 32 entries 128 bytes apart from its neighbours' per store).
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)signs_shape[0] * signs_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
+  if (idx < bhs * n * W * 32) {
+    const int b = (int)(idx % 32);
+    const long at = idx / 32;            // (token, w) in row-major order
+    const int w = (int)(at % W);
+    const long token = at / W;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const U32 word = signs[((long)bh * signs_shape[2] + c) * signs_shape[3] + w];
+    pm[idx] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
+  }
+"""
+SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
+                            body=_SIGNS_BODY)
+# Whether sketched keys' history is rebuilt through `_SIGNS_BODY` and a matmul (True) or by `_BODY`'s own sums, and
+# how many tokens' ±1 rows one matmul takes.
+SKETCH_HISTORY_MATMUL = True
+SKETCH_HISTORY_BLOCK = 4096
+
+# KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
+# so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
+# instead. A thread here decodes 8 channel pairs of one token (the first B·H·n·D/16 threads; every thread also decodes
+# its 8 value channels as in `_BODY`): per channel the code, the block's scale and bias (float32, as the reference's
+# float32-scale dequantize), the block's outlier residual where KO and the token is its index, then, keys stored
+# before RoPE (ROPE, TRAD: KIVI's rope=pre), the pair turned by its position as the tiled decode pass turns it
+# (TURN_AT; compressed token c sits at position c, the sinks' copies being in KIVI's stream). Lanes of a warp take
+# consecutive pairs of the same token, so their writes are whole rows of the output and their code words are shared
+# through the cache. In place of MLX's dequantize, the outliers' scatter, the float32 RoPE over the whole history and
+# the casts: each a history-sized pass (a 32k-token prefill of the 3-bit level ran at 0.79x of fp16, BENCHMARKS.md).
+_KIVI_BODY = """
+  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
+  constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
+  constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)v0_shape[0] * v0_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
   if (KCLS && idx < bhs * n * KPT) {
     // Key widths (KIVI's key_widths): the lane's 8 channel pairs as below, each channel read at its storage row
     // (kinv) with its class's width from its class's arrays (as the decode pass's tiled staging reads them).
