@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -1493,43 +1494,38 @@ def split_count(n_compressed: int, n_rows: int, tile: int, target_groups: int | 
     return math.ceil(tiles / per_split)
 
 
-_SCALES: dict[float, mx.array] = {}
-_DUMMIES: dict[tuple[int, str], Any] = {}
+# The launches' constant inputs, each built once (no host-to-device upload per step), by what they are.
+_CONSTANTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _constant(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """The constant input `make()` builds, built the first time `key` is asked for."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = _CONSTANTS[key] = make()
+    return value
 
 
 def _scale_array(scale: float) -> mx.array:
-    # Built once per scale value (one per model): no host-to-device upload per step. [scale, 1.0, ...]: the tiled
-    # pass takes 1.0 from memory (unit_code); 8 elements keep Metal from passing it in the constant space.
-    array = _SCALES.get(scale)
-    if array is None:
-        array = _SCALES[scale] = mx.array([scale] + [1.0] * 7, dtype=mx.float32)
-    return array
+    # One per scale value (one per model). [scale, 1.0, ...]: the tiled pass takes 1.0 from memory (unit_code); 8
+    # elements keep Metal from passing it in the constant space.
+    return _constant(("scale", scale), lambda: mx.array([scale] + [1.0] * 7, dtype=mx.float32))
 
 
 def _no_grid() -> mx.array:
     """The tiled pass's grid input for a role without a grid (read into shared memory, never used)."""
-    array = _DUMMIES.get((16, "grid"))
-    if array is None:
-        array = _DUMMIES[(16, "grid")] = mx.zeros((16,), dtype=mx.float32)
-    return array
+    return _constant(("grid",), lambda: mx.zeros((16,), dtype=mx.float32))
 
 
 def _no_outliers() -> tuple[mx.array, mx.array]:
     """The tiled pass's block-outlier inputs for keys without them (KO = 0: never read; 8 elements, see
     `_placeholder`)."""
-    pair = _DUMMIES.get((1, "outliers"))
-    if pair is None:
-        pair = _DUMMIES[(1, "outliers")] = (_placeholder(mx.float16), _placeholder(mx.uint8))
-    return pair
+    return _placeholder(mx.float16), _placeholder(mx.uint8)
 
 
 def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
     """Stands in for an absent sink or window (never read: NS = 0 or HW = 0); one per dtype and head_dim."""
-    key = (head_dim, str(dtype))
-    array = _DUMMIES.get(key)
-    if array is None:
-        array = _DUMMIES[key] = mx.zeros((1, 1, 1, head_dim), dtype=dtype)
-    return array
+    return _constant(("dense", head_dim, str(dtype)), lambda: mx.zeros((1, 1, 1, head_dim), dtype=dtype))
 
 
 @dataclass(frozen=True)
@@ -1597,22 +1593,14 @@ def _width_inputs(key_codec: Codec,
 def width_ends(ends: tuple[int, ...]) -> mx.array:
     """Key widths: each class's end row in storage order as the tiled pass reads it (int32; one array per layout,
     built once, as the launch's other constants)."""
-    key = ("ends", ends)
-    array = _DUMMIES.get(key)
-    if array is None:
-        array = _DUMMIES[key] = mx.array(ends, dtype=mx.int32)
-    return array
+    return _constant(("ends", ends), lambda: mx.array(ends, dtype=mx.int32))
 
 
 def _placeholder(dtype: mx.Dtype) -> mx.array:
     """Zeros of `dtype` for an input a launch never reads (a kernel's signature has its inputs' dtypes). Eight
     elements: MLX's Metal front end passes a smaller input in the `constant` address space (kernels/backend.py), and a
     kernel choosing between a class's arrays and a placeholder (`p = c == 0 ? k0 : w1c`) needs both in `device`."""
-    key = ("placeholder", str(dtype))
-    array = _DUMMIES.get(key)
-    if array is None:
-        array = _DUMMIES[key] = mx.zeros((8,), dtype=dtype)
-    return array
+    return _constant(("placeholder", str(dtype)), lambda: mx.zeros((8,), dtype=dtype))
 
 
 def plan_decode(
