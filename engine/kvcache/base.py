@@ -861,10 +861,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if backend not in _kernels.dequantize.BACKENDS or self._store is None or self._k_head_dim != self._v_head_dim:
             return None
         codecs = self._kernel_codecs()
-        if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim, backend):
+        if codecs is None or not _kernels.dequantize.supported(codecs[0], codecs[2], self._k_head_dim, backend,
+                                                               rope=self._kernel_rope() is not None):
             return None
-        if codecs[0].widths and self._kernel_rope() is not None and backend not in _kernels.decode.WIDTH_ROPE_BACKENDS:
-            return None  # key widths stored before RoPE: turned by the kernels only where they passed the parity tests
         return backend, codecs
 
     def _kernel_unsupported(self, rows: int) -> str | None:

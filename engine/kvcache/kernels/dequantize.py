@@ -408,8 +408,9 @@ KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
-def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
-    """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`."""
+def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool = False) -> bool:
+    """Whether the kernel decodes this pair of codecs at `head_dim` (8 channels a thread) on `backend`; `rope`: KIVI
+    keys stored before RoPE, which it turns (at different widths only on a backend in decode.WIDTH_ROPE_BACKENDS)."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
     if key.kind in _decode.SKETCH_KINDS and backend not in SKETCH_HISTORY_BACKENDS:
@@ -417,7 +418,8 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str) -> bool:
     if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's
         return (backend in KIVI_BACKENDS and value.kind == "affine" and key.supported and value.supported
                 and not key.grid and not value.grid and head_dim % 16 == 0
-                and (not key.widths or backend in WIDTH_HISTORY_BACKENDS))
+                and (not key.widths or (backend in WIDTH_HISTORY_BACKENDS
+                                        and (not rope or backend in _decode.WIDTH_ROPE_BACKENDS))))
     return (key.kind in KINDS and value.kind in KINDS and key.supported and value.supported and not key.grid
             and not value.grid and head_dim % 8 == 0)
 
