@@ -250,3 +250,15 @@ def prose_tokens(tokenizer: Any) -> list[int]:
     """~1k tokens of English prose (tests/data/prose_sample.txt, Milton's Areopagitica, public domain)."""
     text = (DATA_DIR / "prose_sample.txt").read_text(encoding="utf-8")
     return list(tokenizer.encode(text))
+
+
+def registered_width_table(counts: tuple[int, ...], n_kv: int, seed: int) -> str:
+    """A registered key widths table (option key_widths) for one layer of `n_kv` heads: `counts` channels at widths 2,
+    3, 4, 5 (in that order) in every head, placed at random channels per head; returns its digest."""
+    import numpy as np
+
+    from engine.kvcache.key_widths import register_table
+
+    rng = np.random.default_rng(seed)
+    by_rank = np.repeat(np.arange(2, 2 + len(counts)), counts).astype(np.uint8)
+    return register_table([np.stack([rng.permutation(by_rank) for _ in range(n_kv)])])

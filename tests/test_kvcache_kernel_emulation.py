@@ -24,7 +24,7 @@ from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.decode import Codec
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
-from tests.kvcache_helpers import filled_then_stepped
+from tests.kvcache_helpers import filled_then_stepped, registered_width_table
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
                                                           "which is not on PATH")
@@ -737,14 +737,9 @@ def test_a_decode_plan_kept_while_blocks_are_appended_reads_them(spec: str, tile
 
 
 def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
-    """A registered key widths table for one layer of N_KV heads: `counts` channels at widths 2, 3, 4, 5 (in that
-    order) in every head, at channels placed at random per head; returns its digest."""
-    from engine.kvcache.key_widths import register_table
-
-    rng = np.random.default_rng(seed)
-    by_rank = np.repeat(np.arange(2, 2 + len(counts)), counts).astype(np.uint8)
-    assert by_rank.size == head_dim
-    return register_table([np.stack([rng.permutation(by_rank) for _ in range(N_KV)])])
+    """`registered_width_table` for one layer of N_KV heads of `head_dim` channels."""
+    assert sum(counts) == head_dim
+    return registered_width_table(counts, N_KV, seed)
 
 
 @pytest.mark.usefixtures("emulated")

@@ -28,7 +28,7 @@ from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, na
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
-from tests.kvcache_helpers import filled_then_stepped
+from tests.kvcache_helpers import filled_then_stepped, registered_width_table
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -322,6 +322,20 @@ def _error_against_cpu_reference(fused, n_kv: int, repeats: int, head_dim: int, 
     return float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
 
 
+def _peaked_excess_over_cpu_reference(fused, seed: int) -> float:
+    """How far one bf16 query token's attention through `fused` (kernels required; 8 query heads of 128 channels over
+    2 kv heads) strays from the reference path over the same arrays, in float32 on the CPU stream, beyond the bf16
+    output's own rounding (half a unit, 2^-8 relative: keys with large entries make attention peaked, so outputs near
+    1 are common)."""
+    queries = mx.array(np.random.default_rng(seed).standard_normal((1, 8, 1, 128), dtype=np.float32))
+    queries = queries.astype(mx.bfloat16)
+    out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
+    with mx.stream(mx.cpu):
+        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
+        mx.eval(ref)
+    return float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+
+
 needs_gpu = pytest.mark.skipif(available_backend() is None,
                                reason="needs MLX's CUDA or Metal build on a GPU default device (kernel backend)")
 
@@ -437,15 +451,7 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
                     spiked=True)
     plan = fused._decode_plan(4)
     assert plan is not None and ("KO", 1) in plan.template and ("ROPE", int(rope != "none")) in plan.template
-    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
-    queries = queries.astype(mx.bfloat16)
-    out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
-    with mx.stream(mx.cpu):
-        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
-        mx.eval(ref)
-    # The large entries make attention peaked, so outputs near 1 are common: beyond 2e-3, the bf16 output's own
-    # rounding (half a unit, 2^-8 relative) is allowed
-    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+    excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: {excess}"
 
 
@@ -460,13 +466,10 @@ def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, ro
     parity run behind a backend's place in WIDTH_BACKENDS. The 3-bit level's layout with key outliers, widths 2-5 at
     random channels per head (the second layout has no 4-bit class)."""
     from engine.kvcache.kernels import decode
-    from engine.kvcache.key_widths import register_table
 
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
     monkeypatch.setattr(decode, "WIDTH_ROPE_BACKENDS", (*decode.WIDTH_ROPE_BACKENDS, available_backend()))
-    rng = np.random.default_rng(sum(counts))
-    by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
-    digest = register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])
+    digest = registered_width_table(counts, 2, seed=sum(counts))
     options = {"key_block": 128, "rotate_values": True, "symmetric_values": True, "key_outliers": 1,
                "key_widths": digest}
     if rope == "pre":
@@ -476,13 +479,7 @@ def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, ro
     plan = fused._decode_plan(4)
     assert plan is not None and ("KCLS", 4) in plan.template and ("KO", 1) in plan.template
     assert ("ROPE", int(rope == "pre")) in plan.template
-    queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
-    queries = queries.astype(mx.bfloat16)
-    out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
-    with mx.stream(mx.cpu):
-        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
-        mx.eval(ref)
-    excess = float(mx.max(mx.abs(out.astype(mx.float32) - ref) - 2**-8 * mx.abs(ref)))
+    excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_widths {counts} tokens={tokens}: {excess}"
 
 
@@ -538,7 +535,6 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     to ~1e-2). Positions up to 33k, where float32 angles are coarsest: the parity run behind a backend's place in
     KIVI_BACKENDS."""
     from engine.kvcache.kernels import decode, dequantize
-    from engine.kvcache.key_widths import register_table
 
     monkeypatch.setattr(dequantize, "KIVI_BACKENDS", (*dequantize.KIVI_BACKENDS, available_backend()))
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
@@ -554,10 +550,8 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
         options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
                     "rope_traditional": layout.endswith("traditional")}
     if layout.startswith("level3-widths"):  # widths 2-5 at random channels per head (or all at 3), keys as given
-        rng = np.random.default_rng(tokens)
         counts = (0, 128, 0, 0) if layout.endswith("flat") else (48, 48, 16, 16)  # "-pre": keys before RoPE too
-        by_rank = np.repeat(np.arange(2, 6), counts).astype(np.uint8)
-        options |= {"key_widths": register_table([np.stack([rng.permutation(by_rank) for _ in range(2)])])}
+        options |= {"key_widths": registered_width_table(counts, 2, seed=tokens)}
     cache = _filled("kivi", bits, 64, 0, 4 if options else 0, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens,
                     options=options, spiked=bits == 3)
     for out, ref in _bf16_history_pairs(cache):
