@@ -252,13 +252,14 @@ def prose_tokens(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def registered_width_table(counts: tuple[int, ...], n_kv: int, seed: int) -> str:
-    """A registered key widths table (option key_widths) for one layer of `n_kv` heads: `counts` channels at widths 2,
-    3, 4, 5 (in that order) in every head, placed at random channels per head; returns its digest."""
+def registered_width_table(counts: tuple[int, ...], n_kv: int, seed: int, narrowest: int = 2) -> str:
+    """A registered key widths table (option key_widths) for one layer of `n_kv` heads: `counts` channels at widths
+    `narrowest`, `narrowest` + 1, ... (in that order; 2-5 for a 3-bit layer, 1-4 for a 2-bit one) in every head, placed
+    at random channels per head; returns its digest."""
     import numpy as np
 
     from engine.kvcache.key_widths import register_table
 
     rng = np.random.default_rng(seed)
-    by_rank = np.repeat(np.arange(2, 2 + len(counts)), counts).astype(np.uint8)
+    by_rank = np.repeat(np.arange(narrowest, narrowest + len(counts)), counts).astype(np.uint8)
     return register_table([np.stack([rng.permutation(by_rank) for _ in range(n_kv)])])

@@ -450,7 +450,11 @@ def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytes
     ("kivi:k3v3:g64:w5:key_widths=TABLE", 64),
     ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=FLAT", 128),
     (f"kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=TABLE:{ROPE_SPEC.format('false')}", 128),
-    (f"kivi:k3v3:g64:w5:key_widths=TABLE:{ROPE_SPEC.format('true').replace('128', '64')}", 64)])
+    (f"kivi:k3v3:g64:w5:key_widths=TABLE:{ROPE_SPEC.format('true').replace('128', '64')}", 64),
+    # the 2-bit level's layout with widths 1-4 (TABLE1), keys as given and before RoPE
+    ("kivi:k2v2:g64:s4:key_block=128:clip_search=true:rotate_values=true:key_widths=TABLE1", 128),
+    (f"kivi:k2v2:g64:s4:key_block=128:clip_search=true:rotate_values=true:key_widths=TABLE1:"
+     f"{ROPE_SPEC.format('false')}", 128)])
 def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's history decoded in one launch (keys per channel block, their outliers, keys before RoPE turned by
@@ -459,6 +463,8 @@ def test_kivi_history_decode_kernel_matches_reference(spec: str, head_dim: int,
     the 16-bit dtype it is written in, and a prefill chunk's attention through the cache takes it."""
     if "FLAT" in spec:  # every channel at the key bits: class 0 (2 bits) empty, its arrays placeholders
         spec = spec.replace("FLAT", _width_table(head_dim, (0, 128, 0, 0), seed=0))
+    if "TABLE1" in spec:
+        spec = spec.replace("TABLE1", _width_table(head_dim, (48, 48, 16, 16), seed=head_dim + 1, narrowest=1))
     if "TABLE" in spec:
         spec = spec.replace("TABLE", _width_table(head_dim, (48, 48, 16, 16) if head_dim == 128 else (16, 32, 16, 0),
                                                   seed=head_dim))
@@ -736,10 +742,10 @@ def test_a_decode_plan_kept_while_blocks_are_appended_reads_them(spec: str, tile
     assert float(mx.max(mx.abs(out - ref))) <= 2e-3
 
 
-def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
+def _width_table(head_dim: int, counts: tuple[int, ...], seed: int, narrowest: int = 2) -> str:
     """`registered_width_table` for one layer of N_KV heads of `head_dim` channels."""
     assert sum(counts) == head_dim
-    return registered_width_table(counts, N_KV, seed)
+    return registered_width_table(counts, N_KV, seed, narrowest)
 
 
 @pytest.mark.usefixtures("emulated")
@@ -754,6 +760,9 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int) -> str:
     # keys before RoPE: each channel of a pair read at its own row and width (outliers turned with their pair)
     (":s4:key_block=128:key_outliers=1:symmetric_values=true:" + ROPE_SPEC.format("false"), (48, 48, 16, 16)),
     (":w9:s4:" + ROPE_SPEC.format("true"), (32, 64, 32, 0)),
+    # the 2-bit level's layout: widths 1-4 averaging 2 (1-bit codes: 32 a word), as given and before RoPE
+    ("@2:s4:key_block=128:clip_search=true:rotate_values=true", (48, 48, 16, 16)),
+    ("@2:s4:key_block=128:clip_search=true:rotate_values=true:" + ROPE_SPEC.format("false"), (24, 88, 8, 8)),
 ])
 @pytest.mark.parametrize("uniform", [False, True])
 def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...], uniform: bool,
@@ -765,14 +774,16 @@ def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts:
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "WIDTH_UNIFORM_RUNS", uniform)
+    bits = 2 if options.startswith("@2") else 3
+    options = options.removeprefix("@2")
     for head_dim in (128, 64):
         scaled = tuple(c * head_dim // 128 for c in counts)
-        digest = _width_table(head_dim, scaled, seed=sum(scaled))
-        spec = f"kivi:k3v3:g64{options}:key_widths={digest}".replace("rope_dims=128", f"rope_dims={head_dim}")
+        digest = _width_table(head_dim, scaled, seed=sum(scaled), narrowest=bits - 1)
+        spec = f"kivi:k{bits}v{bits}:g64{options}:key_widths={digest}".replace("rope_dims=128", f"rope_dims={head_dim}")
         for tokens in (200, 301, 1200):
             cache = _filled(spec, tokens, head_dim, 4, seed=tokens, spiked="outliers" in options)
             plan = cache._decode_plan(4)
-            assert plan is not None and ("KCLS", 4) in plan.template and ("KBLO", 2) in plan.template
+            assert plan is not None and ("KCLS", 4) in plan.template and ("KBLO", bits - 1) in plan.template
             assert ("ROPE", int("rope=pre" in spec)) in plan.template and ("KUNI", int(uniform)) in plan.template
             queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 4 * N_KV, 1, head_dim),
                                                                               dtype=np.float32))

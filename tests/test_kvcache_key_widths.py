@@ -61,12 +61,13 @@ def _built(spec: str | None = None, model=None):  # noqa: ANN001, ANN202
 def test_width_choices_stay_among_mlx_codes_and_contiguous() -> None:
     assert width_choices(3) == (2, 3, 4, 5)
     assert width_choices(4) == (3, 4, 5, 6)
-    assert width_choices(2) == (2, 3, 4)   # no 1-bit code: nothing narrower
+    assert width_choices(2) == (1, 2, 3, 4)   # MLX's 1-bit codes
+    assert width_choices(1) == (1, 2, 3)
     assert width_choices(6) == (5, 6)      # no 7-bit code: 8 is not next to 6
     assert width_choices(8) == (8,)
 
 
-@pytest.mark.parametrize("bits", [3, 4, 5])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_allocation_averages_the_bits_with_one_count_per_width_in_every_head(bits: int) -> None:
     rng = np.random.default_rng(bits)
     importance = rng.lognormal(0.0, 2.0, size=(3, 64))
@@ -154,6 +155,30 @@ def test_each_width_is_stored_at_its_width_and_decodes_closer_the_wider_it_is() 
     assert all(means[a] > means[b] for a, b in zip(sorted(means), sorted(means)[1:], strict=False))
 
 
+def test_a_2bit_layer_keeps_its_quietest_channels_at_one_bit() -> None:
+    """At 2 key bits the widths are 1-4 (MLX's 1-bit codes: each entry at its block's min or max); attention reads
+    the 1-bit codes like the others."""
+    rng = np.random.default_rng(11)
+    importance = rng.lognormal(0.0, 2.0, (2, 64))
+    widths = allocate_widths(importance, 2)
+    assert widths.min() == 1 and widths.max() > 2 and (widths.astype(int).sum(axis=1) == 2 * 64).all()
+    digest = calibration.register_table([widths, widths])
+    spec = f"kivi:k2v2:g64:key_block=64:clip_search=true:key_widths={digest}"
+    cache = get_method("kivi")(KVCacheConfig.parse(spec), layer_index=0)
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64)
+    filled(cache, keys, values)
+    codes = cache._store["key_codes_w1"]
+    assert codes.shape[:3] == (1, 2, int((widths[0] == 1).sum())) and codes.shape[3] * 32 == cache.capacity
+    # A 1-bit channel's decoded entries are two values per block: its block's two levels.
+    decoded, _ = cache.to_dense()
+    channel = int(np.flatnonzero(widths[0] == 1)[0])
+    block = np.array(decoded[0, 0, 64:128, channel])
+    assert len(np.unique(block)) <= 2
+    queries = queries_for(4, 3, 64)
+    on_codes = cache.attention(queries, cache, cache, 0.125, None)
+    assert relative_error(on_codes, reference_attention(queries, decoded, cache.to_dense()[1], 0.125, None)) < 2e-3
+
+
 def test_attention_on_the_codes_matches_attention_on_the_decoded_keys() -> None:
     model, builder = _built()
     cache = builder.build()[1]
@@ -214,7 +239,7 @@ def test_save_load_and_trim(tmp_path: Path) -> None:
 def test_bad_key_widths_options_are_clear_errors() -> None:
     for spec, message in (
         ("kivi:k3v3:key_widths=yes", "key_widths=calibrated"),
-        ("kivi:k2v2:key_widths=calibrated", "3, 4, 5 or 6 key bits"),
+        ("kivi:k8v8:key_widths=calibrated", "2, 3, 4, 5 or 6 key bits"),
         ("kivi:k3v3:key_grid=lloyd:key_widths=calibrated", "not both"),
     ):
         with pytest.raises(ConfigError, match=message):

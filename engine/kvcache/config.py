@@ -51,7 +51,7 @@ Method options in use (each method's `check_config` says which it reads):
       minmax_keys=true           kivi: each key block over its exact min..max (mx.quantize's layout; its own grid
                                  widens the step until zero is a code)
       key_widths=calibrated      kivi: key channels at different widths averaging the key bits (2-5 bits in a
-                                 3-bit layer), chosen by a calibration pass on the model
+                                 3-bit layer, 1-4 in a 2-bit one), chosen by a calibration pass on the model
                                  (engine/kvcache/key_widths.py); the builder writes the table's digest in its
                                  place, key_widths=kw<16 hex digits>, kept in the data folder
       kernels=auto|require|off   compressed methods: the GPU decode kernels (engine/kvcache/kernels)

@@ -77,7 +77,7 @@ def probe_config(config: KVCacheConfig) -> KVCacheConfig:
     model gives them (no rope option: KIVI's rope=auto stores them before RoPE only on a GPU, and a level must
     widen the same layers on every device; on SmolLM2 a probe with keys before RoPE ranked the same three layers
     first, 1, 10 and 18: benchmarks/results/prerope_option_heldout.json), without PATH_OPTIONS and without KIVI's
-    key_widths (calibrated after the wide layers, for their bits; and 2-bit keys have no narrower width)."""
+    key_widths (calibrated after the wide layers, for their bits)."""
     plain = config.without_wide()
     kept = {k: v for k, v in plain.options.items()
             if k != "rope" and not k.startswith("rope_") and k not in PATH_OPTIONS and k != "key_widths"}

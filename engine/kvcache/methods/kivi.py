@@ -99,7 +99,7 @@ token's score per channel and block: on the reference path one scatter-add after
 kernel's tiled pass once per channel and tile as it stages the tile (`kernels/decode.py`, OUTLIER_BACKENDS).
 
 Option `key_widths=calibrated` stores the key channels at different widths around the key bits (2-5 bits averaging 3
-in a 3-bit layer), the bits going where the queries lean and the keys range most (`quant/channel_widths.py`; the
+in a 3-bit layer, 1-4 averaging 2 in a 2-bit one), the bits going where the queries lean and the keys range most (`quant/channel_widths.py`; the
 importance is measured on the model by `engine/kvcache/key_widths.py`, and the builder writes the table's digest in
 the spec, key_widths=kw...). Every kv head of a layer has the same count of channels at each width, so each width's
 channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same scales, biases and outliers per
@@ -338,7 +338,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                               f"digest, key_widths=kw...), not {option!r}.")
         choices = width_choices(config.key_bits)
         if len(choices) < 2 or choices[0] >= config.key_bits:
-            raise ConfigError(f"Method 'kivi' takes key_widths at 3, 4, 5 or 6 key bits (a narrower and a wider code "
+            raise ConfigError(f"Method 'kivi' takes key_widths at 2, 3, 4, 5 or 6 key bits (a narrower and a wider code "
                               f"around them), not {config.key_bits}.")
         if cls.grid_of(config, "key") is not None:
             raise ConfigError("Method 'kivi' takes key_widths or a key_grid, not both.")
