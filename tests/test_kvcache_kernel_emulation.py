@@ -763,6 +763,9 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int, narrowest: i
     # the 2-bit level's layout: widths 1-4 averaging 2 (1-bit codes: 32 a word), as given and before RoPE
     ("@2:s4:key_block=128:clip_search=true:rotate_values=true", (48, 48, 16, 16)),
     ("@2:s4:key_block=128:clip_search=true:rotate_values=true:" + ROPE_SPEC.format("false"), (24, 88, 8, 8)),
+    # the 4-bit level's layout: widths 3-6 averaging 4
+    ("@4:s4:key_block=128:rotate_values=true", (48, 48, 16, 16)),
+    ("@4:s4:key_block=128:rotate_values=true:" + ROPE_SPEC.format("false"), (24, 88, 8, 8)),
 ])
 @pytest.mark.parametrize("uniform", [False, True])
 def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts: tuple[int, ...], uniform: bool,
@@ -774,8 +777,8 @@ def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts:
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "WIDTH_UNIFORM_RUNS", uniform)
-    bits = 2 if options.startswith("@2") else 3
-    options = options.removeprefix("@2")
+    bits = int(options[1]) if options.startswith("@") else 3
+    options = options[2:] if options.startswith("@") else options
     for head_dim in (128, 64):
         scaled = tuple(c * head_dim // 128 for c in counts)
         digest = _width_table(head_dim, scaled, seed=sum(scaled), narrowest=bits - 1)

@@ -457,27 +457,31 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
 
 @needs_gpu
 @pytest.mark.parametrize("rope", ["none", "pre"])
-@pytest.mark.parametrize("counts", [(48, 48, 16, 16), (16, 104, 0, 8), (0, 128, 0, 0)])
+@pytest.mark.parametrize("counts", [(3, 48, 48, 16, 16), (3, 16, 104, 0, 8), (3, 0, 128, 0, 0), (2, 48, 48, 16, 16),
+                                    (2, 24, 88, 8, 8), (4, 48, 48, 16, 16)], ids=lambda c: ".".join(map(str, c)))
 @pytest.mark.parametrize("tokens", (1000, 8193, 33000))
 def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, rope: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's key_widths through the tiled pass on this GPU (its backend let into decode.WIDTH_BACKENDS for the test)
     against the reference path in float32 on the CPU stream (one quantized_matmul per width on the gathered query): the
     parity run behind a backend's place in WIDTH_BACKENDS. The 3-bit level's layout with key outliers, widths 2-5 at
-    random channels per head (the second layout has no 4-bit class)."""
+    random channels per head (the second layout has no 4-bit class), the 2-bit level's (clip search, rotated values)
+    at widths 1-4 and the 4-bit level's (rotated values) at widths 3-6; `counts` leads with the key bits."""
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
     monkeypatch.setattr(decode, "WIDTH_ROPE_BACKENDS", (*decode.WIDTH_ROPE_BACKENDS, available_backend()))
-    digest = registered_width_table(counts, 2, seed=sum(counts))
-    options = {"key_block": 128, "rotate_values": True, "symmetric_values": True, "key_outliers": 1,
-               "key_widths": digest}
+    monkeypatch.setattr(decode, "ONE_BIT_BACKENDS", (*decode.ONE_BIT_BACKENDS, available_backend()))
+    bits, counts = counts[0], counts[1:]
+    digest = registered_width_table(counts, 2, seed=sum(counts), narrowest=bits - 1)
+    options = {"key_block": 128, "rotate_values": True, "key_widths": digest} | (
+        {"symmetric_values": True, "key_outliers": 1} if bits == 3 else {"clip_search": True} if bits == 2 else {})
     if rope == "pre":
         options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0, "rope_traditional": False}
-    fused = _filled("kivi", 3, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
+    fused = _filled("kivi", bits, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
                     spiked=True)
     plan = fused._decode_plan(4)
-    assert plan is not None and ("KCLS", 4) in plan.template and ("KO", 1) in plan.template
+    assert plan is not None and ("KCLS", 4) in plan.template and ("KO", int(bits == 3)) in plan.template
     assert ("ROPE", int(rope == "pre")) in plan.template
     excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_widths {counts} tokens={tokens}: {excess}"
@@ -522,7 +526,7 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
 
 @needs_gpu
 @pytest.mark.parametrize("layout", ["plain", "level4", "level3-pre", "level3-pre-traditional", "level3-widths",
-                                    "level3-widths-flat", "level3-widths-pre"])
+                                    "level3-widths-flat", "level3-widths-pre", "level2-widths", "level2-widths-pre"])
 @pytest.mark.parametrize("tokens", (300, 8193, 33000))
 def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -540,12 +544,17 @@ def test_kivi_history_decode_kernel_matches_reference(layout: str, tokens: int,
     monkeypatch.setattr(decode, "WIDTH_BACKENDS", (*decode.WIDTH_BACKENDS, available_backend()))
     monkeypatch.setattr(dequantize, "WIDTH_HISTORY_BACKENDS", (*dequantize.WIDTH_HISTORY_BACKENDS, available_backend()))
     monkeypatch.setattr(decode, "WIDTH_ROPE_BACKENDS", (*decode.WIDTH_ROPE_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "ONE_BIT_BACKENDS", (*decode.ONE_BIT_BACKENDS, available_backend()))
     bits, options = 4, {}
     if layout != "plain":
         options = {"key_block": 128, "rotate_values": True}
     if layout.startswith("level3"):
         bits = 3
         options |= {"symmetric_values": True, "key_outliers": 1}
+    if layout.startswith("level2"):  # the 2-bit level's layout, widths 1-4
+        bits = 2
+        options |= {"clip_search": True, "key_widths": registered_width_table((48, 48, 16, 16), 2, seed=tokens,
+                                                                            narrowest=1)}
     if layout.startswith("level3-pre") or layout.endswith("widths-pre"):
         options |= {"rope": "pre", "rope_dims": 128, "rope_base": 500000.0, "rope_scale": 1.0,
                     "rope_traditional": layout.endswith("traditional")}

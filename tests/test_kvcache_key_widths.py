@@ -179,6 +179,41 @@ def test_a_2bit_layer_keeps_its_quietest_channels_at_one_bit() -> None:
     assert relative_error(on_codes, reference_attention(queries, decoded, cache.to_dense()[1], 0.125, None)) < 2e-3
 
 
+def test_one_bit_channels_wait_for_a_gpu_parity_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until a GPU backend reads 1-bit key channels in its parity run, the level rule leaves 2-bit key widths out
+    (gpu_unverified) and a GPU's decode kernel declines them."""
+    kivi = get_method("kivi")
+    two_bit = KVCacheConfig.parse("kivi:k2v2:g64:s4:key_block=128:clip_search=true:key_widths=calibrated")
+    monkeypatch.setattr(kernels.decode, "ONE_BIT_BACKENDS", ("emulate",))
+    assert "1-bit" in kivi.gpu_unverified(two_bit)
+    assert kivi.gpu_unverified(KVCacheConfig.parse(SPEC)) is None
+    codec = kernels.Codec("kivi_keys", 2, widths=width_choices(2))
+    assert "1-bit" in kernels.decode.unverified_on(codec, "cuda")
+    assert kernels.decode.unverified_on(codec, "emulate") is None
+    monkeypatch.setattr(kernels.decode, "ONE_BIT_BACKENDS", ("emulate", "cuda"))
+    assert kivi.gpu_unverified(two_bit) is None and kernels.decode.unverified_on(codec, "cuda") is None
+
+
+def test_one_bit_codes_are_packed_and_read_here_as_mlx_reads_them_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1-bit codes are packed by Velox (MLX's CUDA backend returns zeros for them) in MLX's layout: MLX's CPU
+    dequantize and quantized_matmul read them as Velox's own decode does, and the decode-then-multiply used off the
+    CPU gives the same products."""
+    from engine.kvcache.methods import affine
+
+    x = mx.array(np.random.default_rng(4).standard_normal((2, 6, 256)).astype(np.float32))
+    store = affine.affine_quantize(x, "key", 64, 1)
+    ours = affine.affine_dequantize(store, "key", 64, 1, float32_scales=True)
+    theirs = mx.dequantize(store["key_codes"], store["key_scales"], store["key_biases"], group_size=64, bits=1)
+    assert mx.array_equal(ours, theirs)
+    levels = np.unique(np.array(ours[0, 0, :64]))
+    assert len(levels) == 2 and np.isclose(levels, [float(x[0, 0, :64].min()), float(x[0, 0, :64].max())]).all()
+    query = mx.array(np.random.default_rng(5).standard_normal((2, 3, 256)).astype(np.float32))
+    on_cpu = affine.affine_matmul(query, store, "key", 64, 1, transpose=True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # the branch taken off the CPU (run here on the CPU)
+    elsewhere = affine.affine_matmul(query, store, "key", 64, 1, transpose=True)
+    assert float(mx.max(mx.abs(on_cpu - elsewhere))) < 1e-4
+
+
 def test_attention_on_the_codes_matches_attention_on_the_decoded_keys() -> None:
     model, builder = _built()
     cache = builder.build()[1]
@@ -273,17 +308,20 @@ def test_wide_layers_get_widths_around_their_own_bits() -> None:
 
 
 @pytest.mark.parametrize("rope", ["", ":rope=pre"])
-def test_the_bundled_widths_of_the_default_model_are_what_it_measures(smollm, rope: str, tmp_path: Path,
+@pytest.mark.parametrize("layout", [
+    "kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true:wide=0.1",
+    "kivi:k2v2:g64:s4:clip_search=true:key_block=128:rotate_values=true:wide=0.1",
+    "kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1"], ids=["3bit", "2bit", "4bit"])
+def test_the_bundled_widths_of_the_default_model_are_what_it_measures(smollm, layout: str, rope: str, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 3-bit layout's key widths on the default model ship with Velox (keys as given and before RoPE), so its
-    first use measures nothing and every device uses the widths the CPU figures were measured with; measured again
-    here (bundle and data folder set aside), the calibration writes the same key and the same widths."""
+    """The 4-, 3- and 2-bit layouts' key widths on the default model ship with Velox (keys as given and before RoPE), so
+    their first use measures nothing and every device uses the widths the CPU figures were measured with; measured
+    again here (bundle and data folder set aside), the calibration writes the same key and the same widths."""
     model, tokenizer, _ = smollm
     monkeypatch.setattr(calibration, "BUNDLED_DIR", tmp_path / "no-bundle")
     monkeypatch.setattr(calibration, "_TABLES", {})
     monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path / "data"))
-    spec = ("kivi:k3v3:g64:s4:key_block=128:key_outliers=1:rotate_values=true:symmetric_values=true:wide=0.1:"
-            "key_widths=calibrated" + rope)
+    spec = layout + ":key_widths=calibrated" + rope
     digest = KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model, tokenizer=tokenizer).config.options["key_widths"]
     measured = json.loads((calibration_dir() / f"key_widths-{digest}.json").read_text())
     bundled = json.loads((Path(calibration.__file__).with_name("calibrations") / f"key_widths-{digest}.json").read_text())

@@ -13,7 +13,8 @@ Only methods whose decoding reads the packed codes directly (`attention_path == 
 `dequantize-per-step` methods (turboquant, rvq) decoded 3-4x slower than fp16 on the CPU at 1-2k tokens
 and 30-60x slower on the H200 at 4k-128k (BENCHMARKS.md), which a person moving the slider would feel. For the
 same reason a configuration the GPU decode kernel declines (`kernel_declines`; none today: it reads KIVI's own
-key blocks and skips its sinks' stream copies) is not eligible: on a GPU it would decode without the kernel.
+key blocks and skips its sinks' stream copies), or whose codes no GPU backend has yet passed the parity tests with
+(`gpu_unverified`: KIVI's 1-bit key channels), is not eligible: on a GPU it would decode without the kernel.
 
 A level is also chosen on use, not only on KL (issue 12): where the needle and greedy-agreement parts of the
 quality sweep are given, a candidate must
@@ -97,7 +98,8 @@ def eligible(row: dict[str, Any]) -> bool:
     if method.attention_path != "fused":
         return False
     config = read_result_spec(row["spec"]).velox_config()
-    return method.kernel_declines(config) is None and method.decodes_history_without_kernel(config) is None
+    return (method.kernel_declines(config) is None and method.gpu_unverified(config) is None
+            and method.decodes_history_without_kernel(config) is None)
 
 
 def _named(names: Sequence[str], spec_text: str) -> str | None:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,9 +31,11 @@ def engine_pythonpath() -> str:
     link = folder / "engine"
     target = Path(engine.__file__).resolve().parent
     if not link.is_symlink() or link.resolve() != target:
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(target, target_is_directory=True)
+        # Made aside and renamed over the link: workers started together (--jobs) each may get here at once.
+        aside = folder / f"engine.{os.getpid()}.{threading.get_ident()}"
+        aside.unlink(missing_ok=True)
+        aside.symlink_to(target, target_is_directory=True)
+        os.replace(aside, link)
     return str(folder)
 
 

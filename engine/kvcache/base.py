@@ -402,6 +402,13 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         (benchmarks/harness/levels.py) leaves such configurations out: on a GPU they decode without it."""
         return None
 
+    @classmethod
+    def gpu_unverified(cls, config: KVCacheConfig) -> str | None:
+        """Why no GPU backend (CUDA, Metal) has yet passed the parity tests for what `config` stores, so that a GPU
+        would decode it without the kernel (None: one has). The level rule leaves such configurations out too; the
+        kernels themselves check their backend at each step (kernels.decode.unverified_on)."""
+        return None
+
     def _kernel_codecs(
         self,
     ) -> tuple[_kernels.Codec, list[mx.array], _kernels.Codec, list[mx.array]] | None:

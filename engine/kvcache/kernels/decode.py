@@ -1306,6 +1306,13 @@ OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # construction, as every kernel here.
 WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+# Backends where the kernels read a class of 1-bit key channels (key_widths at 2 key bits, widths 1-4; KBLO 1). The CPU
+# emulator checks both kernels against the reference at that layout; the H200's first parity run of it failed, its
+# caches having been filled through MLX's CUDA `mx.quantize`, which returns zeros at 1 bit (1-bit codes are packed by
+# Velox since: methods/affine.py ONE_BIT); not yet run again. KIVI.gpu_unverified leaves such layouts out of the level
+# rule until a GPU backend is here.
+ONE_BIT_BACKENDS: tuple[str, ...] = ("emulate",)
+
 # Backends where the tiled pass and the history decode turn key channels at different widths stored before RoPE (KCLS
 # with ROPE: each channel of a pair read at its row and its class's width); elsewhere such a cache attends through the
 # reference path, and rope=auto keeps keys at different widths as given. The CPU emulator checks both kernels against
@@ -1427,6 +1434,8 @@ def unverified_on(codec: Codec, backend: str | None) -> str | None:
     unknown backend)."""
     if codec.widths and backend is not None and backend not in WIDTH_BACKENDS:
         return "the decode kernel's key widths (key_widths) have not passed the parity tests on this backend yet"
+    if codec.widths and min(codec.widths) == 1 and backend is not None and backend not in ONE_BIT_BACKENDS:
+        return "the decode kernel's 1-bit key channels (key_widths at 2 bits) have not passed the parity tests here yet"
     backends = {"prod": SKETCH_BACKENDS, "qjl": SKETCH_BACKENDS, "vq": VQ_BACKENDS, "polar": POLAR_BACKENDS}.get(
         codec.kind)
     if backends is None or backend is None or backend in backends:

@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
-from engine.kvcache.quant.bitpack import pack_bits
+from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.registry import register_method
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -35,8 +35,18 @@ def check_channel_groups(method_name: str, config: KVCacheConfig, head_dim: int,
         )
 
 
+# MLX 0.32.4 documents 1-bit affine codes, but only its CPU backend has them all: on CUDA `mx.quantize` at 1 bit
+# returns zero codes, scales and biases without an error and `mx.quantized_matmul` refuses it (H200, 2026-12-03;
+# BENCHMARKS.md, round 14). 1-bit codes are therefore packed and unpacked here (the same layout and levels: a
+# group's min and max), and multiplied by MLX only on the CPU.
+ONE_BIT = 1
+
+
 def affine_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
-    """`mx.quantize` of `array` along its last axis as the store entries `{role}_codes/_scales/_biases`."""
+    """`mx.quantize` of `array` along its last axis as the store entries `{role}_codes/_scales/_biases` (at 1 bit,
+    `minmax_quantize`: the same levels, packed here on every backend)."""
+    if bits == ONE_BIT:
+        return minmax_quantize(array, role, group_size, bits)
     codes, scales, biases = mx.quantize(array, group_size=group_size, bits=bits)
     return {f"{role}_codes": codes, f"{role}_scales": scales, f"{role}_biases": biases}
 
@@ -83,17 +93,28 @@ def with_symmetric_biases(store: dict[str, mx.array], role: str, bits: int) -> d
 def affine_dequantize(
     store: dict[str, mx.array], role: str, group_size: int, bits: int, *, float32_scales: bool
 ) -> mx.array:
-    """`mx.dequantize` of the `role` entries of a store (with float32 scales and biases if asked)."""
+    """`mx.dequantize` of the `role` entries of a store (with float32 scales and biases if asked; at 1 bit unpacked
+    here, see ONE_BIT)."""
     scales, biases = store[f"{role}_scales"], store[f"{role}_biases"]
     if float32_scales:
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-    return mx.dequantize(store[f"{role}_codes"], scales, biases, group_size=group_size, bits=bits)
+    codes = store[f"{role}_codes"]
+    if bits == ONE_BIT:
+        length = codes.shape[-1] * 32
+        bits_of = unpack_bits(codes, bits, length).reshape(*codes.shape[:-1], length // group_size, group_size)
+        decoded = bits_of.astype(scales.dtype) * scales[..., None] + biases[..., None]
+        return decoded.reshape(*codes.shape[:-1], length)
+    return mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
 
 
 def affine_matmul(
     x: mx.array, store: dict[str, mx.array], role: str, group_size: int, bits: int, *, transpose: bool
 ) -> mx.array:
-    """`mx.quantized_matmul` of `x` with the packed `role` entries of a store."""
+    """`mx.quantized_matmul` of `x` with the packed `role` entries of a store (at 1 bit off the CPU, where MLX has
+    no such matmul: the entries decoded, then multiplied)."""
+    if bits == ONE_BIT and mx.default_device() != mx.cpu:
+        decoded = affine_dequantize(store, role, group_size, bits, float32_scales=False).astype(x.dtype)
+        return x @ (mx.swapaxes(decoded, -1, -2) if transpose else decoded)
     return mx.quantized_matmul(
         x,
         store[f"{role}_codes"],

@@ -198,21 +198,42 @@ ROPE_PARAMETERS = tuple(f"rope_{field.name}" for field in fields(RopeParameters)
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 
 
+# Lloyd steps of the 1-bit candidate (`_two_means`): the levels settle within a few.
+TWO_MEANS_STEPS = 3
+
+
+def _two_means(groups: mx.array, low: mx.array, high: mx.array) -> tuple[mx.array, mx.array]:
+    """Per group (last axis), the two levels of the least squared error that 1 bit can hold: each the mean of the
+    entries nearer it (Lloyd's iteration from min and max). Clipped to them, a group's 1-bit min..max code is its
+    nearer level: for a bell-shaped channel about ±0.8σ, where min and max sit at ±2.5σ or beyond."""
+    bottom, top = low, high
+    for _ in range(TWO_MEANS_STEPS):
+        upper = groups >= (bottom + top) / 2
+        n_upper = upper.sum(axis=-1, keepdims=True)
+        n_lower = groups.shape[-1] - n_upper
+        top = mx.where(n_upper > 0, mx.where(upper, groups, 0).sum(axis=-1, keepdims=True) / mx.maximum(n_upper, 1), top)
+        bottom = mx.where(n_lower > 0,
+                          mx.where(upper, 0, groups).sum(axis=-1, keepdims=True) / mx.maximum(n_lower, 1), bottom)
+    return bottom, top
+
+
 def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
-    """`affine_quantize` with each group clipped to the range (of CLIP_RATIOS) that quantizes it with the least
-    squared error; the same store entries and layout."""
+    """`affine_quantize` with each group clipped to the range (of CLIP_RATIOS, and at 1 bit its two means) that
+    quantizes it with the least squared error; the same store entries and layout."""
     shape = array.shape
     n_groups = shape[-1] // group_size
     exact = array.astype(mx.float32)
     groups = exact.reshape(*shape[:-1], n_groups, group_size)
     low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
     middle, half = (low + high) / 2, (high - low) / 2
+    ranges = [(middle - ratio * half, middle + ratio * half) for ratio in CLIP_RATIOS]
+    if bits == 1:
+        ranges.append(_two_means(groups, low, high))
     best: dict[str, mx.array] = {}
     best_error: mx.array | None = None
-    for ratio in CLIP_RATIOS:
+    for index, (bottom, top) in enumerate(ranges):
         # 1.0 quantizes the array itself (clip's midpoint ± half-range can move min and max by a rounding).
-        clipped = array if ratio == 1.0 else mx.clip(
-            groups, middle - ratio * half, middle + ratio * half).reshape(shape).astype(array.dtype)
+        clipped = array if index == 0 else mx.clip(groups, bottom, top).reshape(shape).astype(array.dtype)
         found = affine_quantize(clipped, role, group_size, bits)
         decoded = affine_dequantize(found, role, group_size, bits, float32_scales=True)
         error = mx.square(decoded - exact).reshape(groups.shape).sum(axis=-1)  # [..., n_groups]
@@ -379,6 +400,15 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return None
         dims, base, scale, traditional = (options[name] for name in ROPE_PARAMETERS)
         return RopeParameters(int(dims), float(base), float(scale), bool(traditional))
+
+    @classmethod
+    def gpu_unverified(cls, config: KVCacheConfig) -> str | None:
+        """1-bit key channels (key_widths at 2 key bits) until a GPU backend has passed their parity run
+        (decode.ONE_BIT_BACKENDS)."""
+        if KEY_WIDTHS_OPTION in config.options and 1 in width_choices(config.key_bits) and not (
+                set(_kernels.decode.ONE_BIT_BACKENDS) & {"cuda", "metal"}):
+            return "no GPU decode kernel has passed the parity tests with 1-bit key channels yet"
+        return None
 
     @classmethod
     def rope_pre_declines(cls, config: KVCacheConfig, model: Any) -> str | None:
