@@ -558,8 +558,8 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(text, value), (text, value)
     checked.append(speed[0])
 
-    rope = re.search(r"take the 4-bit level from ([+\d.]+) % to\s+([+\d.]+) % perplexity on (\d)k-token windows .+? "
-                     r"needle\s+recall from ([\d.]+) % to ([\d.]+) % \(fp16: ([\d.]+) %\); the 4-bit level decodes there "
+    rope = re.search(r"took the previous 4-bit level from ([+\d.]+) % to\s+([+\d.]+) % perplexity on (\d)k-token windows .+? "
+                     r"needle\s+recall from ([\d.]+) % to ([\d.]+) % \(fp16: ([\d.]+) %\); the previous 4-bit level decoded there "
                      r"at (\d+) %,\s+(\d+) % and (\d+) % of its speed without them at 8k, 32k and 131k tokens \(one run; "
                      r"BENCHMARKS.md, \*phase 1 by runs of\s+tokens\*\)", section, re.S)
     assert rope, "README no longer quotes what keys before RoPE did"
@@ -585,7 +585,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert int(text) == round(100 * pair[True] / pair[False]), (context, text, pair)
     checked.append(rope[0])
 
-    whole = re.search(r"the three levels\s+of that run \(the 4- and 2-bit levels and the previous 3-bit level\)\s+decode at (\d\.\d\d)–(\d\.\d\d)× of the 16-bit cache's speed at 8k tokens, "
+    whole = re.search(r"the three levels\s+of that run \(the 2-bit level and the 4- and 3-bit levels before the previous ones\)\s+decode at (\d\.\d\d)–(\d\.\d\d)× of the 16-bit cache's speed at 8k tokens, "
                       r"(\d\.\d\d)–(\d\.\d\d)× at 32k and (\d\.\d\d)–(\d\.\d\d)× at 131k \(one run,\s+two interleaved "
                       r"rounds: `benchmarks/results/decode-h200.json`", section)
     assert whole, "README no longer quotes the levels' whole-model decode on the GPU"
@@ -599,14 +599,15 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(low, min(ratios)) and close(high, max(ratios)), (context, low, high, ratios)
     checked.append(whole[0])
 
-    outliers = re.search(r"keys before RoPE, its needle recall is ([\d.]+) % \(fp16: ([\d.]+) %\) and it decodes at\s+"
+    outliers = re.search(r"with keys before RoPE, its needle recall was ([\d.]+) % \(fp16: ([\d.]+) %\) and it decoded at\s+"
                          r"(\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× of the 16-bit\s+cache at 8k, 32k and 131k "
-                         r"tokens, where the previous 3-bit level ran at (\d\.\d\d)×, (\d\.\d\d)× and "
+                         r"tokens, where the 3-bit level before it ran at (\d\.\d\d)×, (\d\.\d\d)× and "
                          r"(\d\.\d\d)× in the same run\s+\(`benchmarks/results/decode-3bit-level-h200.json`\)", section)
     assert outliers, "README no longer quotes the 3-bit level's needle recall and decode speed on the GPU"
     use = json.loads((COMMITTED / "quality-use-3bit-outliers-h200.json").read_text())
     measured3 = "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:wide=0.1"
-    assert KVCacheConfig.parse(measured3 + ":rope=auto") == level_by_key("3").config  # the run measured the level
+    level3 = level_by_key("3").config  # the run measured the level without its key widths
+    assert KVCacheConfig.parse(measured3 + ":rope=auto:key_widths=calibrated") == level3
     assert close(outliers[1], recall(use, measured3 + ":rope=pre")) and close(outliers[2], recall(use, "fp16"))
     timed = json.loads((COMMITTED / "decode-3bit-level-h200.json").read_text())["rows"]
     for index, context in enumerate((8193, 32769, 131073)):
@@ -616,7 +617,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(outliers[3 + index], mine[0]) and close(outliers[6 + index], previous[0]), (context, at)
     checked.append(outliers[0])
 
-    prefill = re.search(r"A (\d\d),(\d\d\d)-token prefill into the 3- and 4-bit levels \(keys before\s+RoPE, the "
+    prefill = re.search(r"A (\d\d),(\d\d\d)-token prefill into the previous 3- and 4-bit levels \(keys before\s+RoPE, the "
                         r"history of each chunk decoded by one kernel\) runs at (\d\.\d\d)× and (\d\.\d\d)× of the "
                         r"16-bit cache's speed\s+\(`benchmarks/results/prefill-history-kernels-r2-h200.json`\)", section)
     assert prefill, "README no longer quotes the levels' prefill on the GPU"
@@ -651,6 +652,44 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(text, by_spec[spec]), (text, spec)
     assert f"--tokens {int(two[2]) * 1024} " in held["command"]
     checked.append(two[0])
+
+    widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
+                       r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? their needle recall is ([\d.]+) % "
+                       r"and ([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and ([\d.]+) % "
+                       r"with keys as given, and they decode at (\d\.\d\d)× and (\d\.\d\d)× of the\s+16-bit cache's speed "
+                       r"at 8k tokens and (\d\.\d\d)× and (\d\.\d\d)× at 32k \(one run, "
+                       r"`benchmarks/results/decode-key-widths-r5-h200.json`;\s+BENCHMARKS.md, \*round 14\*\)", section, re.S)
+    assert widths, "README no longer quotes what key widths did for the 4- and 3-bit levels"
+    level4, level3 = (str(without_device_options(level_by_key(key).config)) for key in ("4", "3"))
+    assert "key_widths=calibrated" in level4 and "key_widths=calibrated" in level3
+
+    def held_out(name: str, spec: str) -> float:
+        rows = json.loads((COMMITTED / name).read_text())["rows"]
+        return 100 * next(r["ppl_change"] for r in rows if KVCacheConfig.parse(r["spec"]) == KVCacheConfig.parse(spec))
+
+    before4, before3 = (spec.replace(":key_widths=calibrated", "") for spec in (level4, level3))
+    assert close(widths[1], held_out("near_lossless_layerbits_4k.json", before4))
+    assert close(widths[2], held_out("near_lossless_4bit_widths_4k.json", level4))
+    assert close(widths[4], held_out("near_lossless_3bit_key_widths_heldout4.json", before3))
+    assert close(widths[5], held_out("near_lossless_3bit_key_widths_heldout4.json", level3))
+    assert int(widths[3]) * 1024 == 4096
+
+    def exact_recall(spec: str) -> float:
+        name = next(n for n in plain_needle["needle"]["trials"][0]["results"]
+                    if n == "fp16" == spec or n != "fp16" != spec and KVCacheConfig.parse(n) == KVCacheConfig.parse(spec))
+        return 100 * sum(t["results"][name]["exact"] for t in plain_needle["needle"]["trials"]) / len(
+            plain_needle["needle"]["trials"])
+
+    for text, spec in ((widths[6], level4), (widths[7], level3), (widths[8], "fp16"), (widths[9], before4),
+                       (widths[10], before3)):
+        assert close(text, exact_recall(spec)), (text, spec)
+    decoded = json.loads((COMMITTED / "decode-key-widths-r5-h200.json").read_text())["rows"]
+    for text, bits, context in ((widths[11], 4, 8193), (widths[12], 3, 8193), (widths[13], 4, 32769),
+                                (widths[14], 3, 32769)):
+        row = next(r for r in decoded if r["context"] == context and "key_widths=calibrated" in r["spec"]
+                   and KVCacheConfig.parse(r["spec"]).key_bits == bits)
+        assert close(text, row["vs_fp16"]), (text, bits, context)
+    checked.append(widths[0])
 
     rest = section
     for text in checked:

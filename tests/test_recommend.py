@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
 from engine.kvcache import KVCacheBuilder, ModelShape
 from engine.kvcache.config import KVCacheConfig, n_wide_layers
+from engine.kvcache.key_widths import register_table
+from engine.kvcache.quant.channel_widths import allocate_widths
 from engine.models.catalog import DEFAULT_MODEL_SPEC, ModelInfo
 from engine.planning.recommend import (
     LEVEL_KEYS,
@@ -163,6 +167,14 @@ def test_estimate_matches_a_real_cache(key: str) -> None:
     if config.wide_fraction is not None:
         # which layers a calibration widens does not change the bytes: name the first ones
         config = config.with_wide_layers(range(n_wide_layers(config.wide_fraction, SMOLLM2.layers)))
+    if "key_widths" in config.options:
+        # nor which key channels get which width: any table averaging each layer's bits
+        layer_bits = [config.key_bits + (layer < n_wide_layers(config.wide_fraction or 0.0, SMOLLM2.layers))
+                      for layer in range(SMOLLM2.layers)]
+        rng = np.random.default_rng(0)
+        digest = register_table([allocate_widths(rng.lognormal(0.0, 1.0, (SMOLLM2.kv_heads, SMOLLM2.head_dim)), bits)
+                                 for bits in layer_bits])
+        config = replace(config, options={**config.options, "key_widths": digest})
     shape = ModelShape(n_layers=SMOLLM2.layers, n_heads=SMOLLM2.kv_heads, n_kv_heads=SMOLLM2.kv_heads,
                        head_dim=SMOLLM2.head_dim)
     caches = KVCacheBuilder(config).for_shape(shape).build()
@@ -182,8 +194,8 @@ def test_levels_make_valid_configs() -> None:
         assert level.config.validate(128) == level.config  # written out in full: nothing left to a default
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
     assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64, sink_tokens=4,
-                                                     options={"key_block": 128, "rope": "auto", "rotate_values": True,
-                                                              "wide": 0.1})
+                                                     options={"key_block": 128, "key_widths": "calibrated",
+                                                              "rope": "auto", "rotate_values": True, "wide": 0.1})
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 
