@@ -403,8 +403,12 @@ KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # kernel-parity-widths-r2-h200.log), but a 32k-token prefill of the 8B shape then failed with an illegal memory
 # access, before the fix of a layer whose narrowest class is empty (its arrays are placeholders, whose shape the
 # kernels read for the key blocks per row; decode-key-widths-r2-h200.json). The present form (pair by pair through
-# the inverse order, so keys before RoPE are turned too; WIDTH_ROPE_BACKENDS) has run on the emulator only: held back
-# from CUDA and Metal until the parity test and a prefill pass there.
+# the inverse order, so keys before RoPE are turned too; WIDTH_ROPE_BACKENDS) passed the H200's parity test on
+# 2026-12-03 with widths 2-5 as given, before RoPE and with the narrowest class empty, 300 to 33,000 tokens
+# (kernel-parity-widths-r4-h200.log; widths 1-4 failed there, their caches filled through MLX's broken 1-bit CUDA
+# quantize, see decode.ONE_BIT_BACKENDS). Held back from CUDA and Metal until a 32k prefill of the 8B shape passes too
+# (the device time ran out first): meanwhile the 4- and 3-bit levels prefill through MLX on a GPU (round 13: 0.46x of
+# fp16's prefill speed at 32k, against 0.87x for the 3-bit layout without widths).
 WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
 
 
