@@ -1124,3 +1124,26 @@ def test_a_needle_grid_without_the_16bit_cache_is_refused_before_its_trials() ->
 
     with pytest.raises(BenchmarkError, match="needs 'fp16'"):
         _quality_needle(None, [SimpleNamespace(text="kivi:k4v4:g64")])  # type: ignore[arg-type]
+
+
+def test_workers_started_together_share_one_engine_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench quality --jobs N` starts its workers at once, each making the engine link in the temporary folder: made
+    aside and renamed into place, none of them fails on another's link (a needle run on the H200 stopped so)."""
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.harness import worker
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # A link left by another checkout: every worker finds it wrong and replaces it at once.
+    stale = tmp_path / f"velox-bench-{os.getuid()}" / "pythonpath" / "engine"
+    stale.parent.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    stale.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with ThreadPoolExecutor(8) as pool:
+        folders = list(pool.map(lambda _: worker.engine_pythonpath(), range(64)))
+    assert len(set(folders)) == 1
+    link = Path(folders[0]) / "engine"
+    assert link.is_symlink() and (link / "__init__.py").is_file()
+    assert sorted(p.name for p in Path(folders[0]).iterdir()) == ["engine"]  # nothing left aside

@@ -99,9 +99,9 @@ token's score per channel and block: on the reference path one scatter-add after
 kernel's tiled pass once per channel and tile as it stages the tile (`kernels/decode.py`, OUTLIER_BACKENDS).
 
 Option `key_widths=calibrated` stores the key channels at different widths around the key bits (2-5 bits averaging 3
-in a 3-bit layer, 1-4 averaging 2 in a 2-bit one), the bits going where the queries lean and the keys range most (`quant/channel_widths.py`; the
-importance is measured on the model by `engine/kvcache/key_widths.py`, and the builder writes the table's digest in
-the spec, key_widths=kw...). Every kv head of a layer has the same count of channels at each width, so each width's
+in a 3-bit layer, 1-4 averaging 2 in a 2-bit one), the bits going where the queries lean and the keys range most
+(`quant/channel_widths.py`; the importance is measured on the model by `engine/kvcache/key_widths.py`, and the builder
+writes the table's digest in the spec, key_widths=kw...). Every kv head of a layer has the same count of channels at each width, so each width's
 channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same scales, biases and outliers per
 channel and block as plain KIVI, so the bits are the spec's), stored in a per-head channel order; attention gathers
 the query's channels into that order once and adds one `mx.quantized_matmul` per width. The order and its inverse are
