@@ -357,7 +357,8 @@ def test_tray_mode_keeps_running_when_the_window_closes(tmp_path, smollm, qtbot)
 
 def test_a_level_that_calibrates_shows_its_progress(make_window, qtbot, tmp_path, monkeypatch):
     """A wide level on a model without a cached or bundled calibration measures its layers once, on the
-    worker: the window says so with a progress bar, and the switch then completes with the measured layers."""
+    worker: the window says so with a progress bar, and the switch then completes with the measured layers. The
+    4-bit level's key widths are measured after them (for those layers' bits), and the window says so too."""
     from engine.kvcache import layer_sensitivity as sensitivity
 
     monkeypatch.setenv("VELOX_DATA_DIR", str(tmp_path / "data"))
@@ -377,7 +378,8 @@ def test_a_level_that_calibrates_shows_its_progress(make_window, qtbot, tmp_path
     window.compression.choose("4")
     qtbot.waitUntil(lambda: controller.level_key == "4" and not controller.busy, timeout=WAIT_MS)
     calibrating = [text for text in shown if text.startswith("Calibrating for this model")]
-    assert calibrating and calibrating[-1].endswith("layer 30/30")
+    assert any(text.endswith("layer 30/30") for text in calibrating)
+    assert calibrating[-1].endswith("measuring the key channels' importance")
     assert "Switched live to 4-bit" in window.compression.status.text()
     caches = controller.engine.worker.session.prompt_cache
     assert [i for i, cache in enumerate(caches) if cache.config.key_bits == 5] == [2, 5, 7]
