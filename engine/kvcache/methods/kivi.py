@@ -141,6 +141,7 @@ from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
+    ONE_BIT,
     SCALE_BITS,
     affine_dequantize,
     affine_matmul,
@@ -227,7 +228,7 @@ def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> 
     low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
     middle, half = (low + high) / 2, (high - low) / 2
     ranges = [(middle - ratio * half, middle + ratio * half) for ratio in CLIP_RATIOS]
-    if bits == 1:
+    if bits == ONE_BIT:
         ranges.append(_two_means(groups, low, high))
     best: dict[str, mx.array] = {}
     best_error: mx.array | None = None
