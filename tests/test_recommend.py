@@ -195,7 +195,8 @@ def test_levels_make_valid_configs() -> None:
     assert level_by_key("16").config == KVCacheConfig("fp16", 16, 16, 64)
     assert level_by_key("4").config == KVCacheConfig("kivi", 4, 4, 64, sink_tokens=4,
                                                      options={"key_block": 128, "key_widths": "calibrated",
-                                                              "rope": "auto", "rotate_values": True, "wide": 0.1})
+                                                              "rotate_values": True, "wide": 0.1})
+    assert level_by_key("2").config.options["rope"] == "auto"  # the one level that stores keys before RoPE on a GPU
     with pytest.raises(ConfigError, match="Unknown compression level"):
         level_by_key("5")
 

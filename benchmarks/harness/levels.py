@@ -58,8 +58,9 @@ _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 # Options a level carries beyond the rule's choice. They build the very cache the rule chose wherever no GPU decode
 # kernel runs (the CPU, where the quality sweep runs: tests/test_kvcache_prerope.py builds each level both ways) and
 # change it only where one does, so LEVEL_TABLE writes them while the rule, the sweep and the report compare levels without
-# them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; its GPU figures for the 4-, 3- and
-# 2-bit levels are BENCHMARKS.md's round 6 (needle, greedy agreement, decode speed on the H200).
+# them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; since key widths (round 15) only the 2-bit
+# level carries it, which needs the quality (the 4- and 3-bit levels decoded faster on the H200 with keys as given and
+# meet issue 12's targets so; engine/planning/recommend.py says what each measured).
 DEVICE_OPTIONS: dict[str, object] = {"rope": "auto"}
 
 
@@ -204,9 +205,13 @@ def select_levels(
         choice: dict[str, Any] = {"budget": budget, "ranked": ranked, "use": {}, "meets_use": True}
         standing = fitting
         points = NEEDLE_POINTS.get(key)
-        if needle is not None and points is not None:
+        if needle is not None:
+            # Measured at every level, so its figures are shown; it turns candidates away only where it is weighed
+            # (elsewhere every candidate passes it, measured or not).
             for row in fitting:
-                choice["use"].setdefault(row["spec"], {})["needle"] = needle_verdict(needle, row["spec"], points)
+                verdict = needle_verdict(needle, row["spec"], math.inf if points is None else points)
+                choice["use"].setdefault(row["spec"], {})["needle"] = (
+                    verdict if points is not None else {**verdict, "passes": True})
             standing = [row for row in standing if choice["use"][row["spec"]]["needle"]["passes"]]
         if agreement is not None:
             # Compared with the best of those still standing; where none is, with the best of all (shown only).

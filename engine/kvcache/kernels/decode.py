@@ -1307,17 +1307,25 @@ OUTLIER_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 WIDTH_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # Backends where the kernels read a class of 1-bit key channels (key_widths at 2 key bits, widths 1-4; KBLO 1). The CPU
-# emulator checks both kernels against the reference at that layout; the H200's first parity run of it failed, its
-# caches having been filled through MLX's CUDA `mx.quantize`, which returns zeros at 1 bit (1-bit codes are packed by
-# Velox since: methods/affine.py ONE_BIT); not yet run again. KIVI.gpu_unverified leaves such layouts out of the level
-# rule until a GPU backend is here.
-ONE_BIT_BACKENDS: tuple[str, ...] = ("emulate",)
+# emulator checks both kernels against the reference at that layout. The H200's first parity run of it failed, its
+# caches having been filled through MLX's CUDA `mx.quantize`, which returns zeros at 1 bit; with 1-bit codes packed by
+# Velox (methods/affine.py ONE_BIT) every key-widths parity test passed there on 2026-12-03, widths 1-4 and 2-5, as
+# given and before RoPE, tiled pass and history decode, up to 33,000 tokens (kernel-parity-widths-r5-h200.log: 51
+# passed), and the 2-bit layout with widths decoded the 8B shape at 8k/32k/131k (decode-key-widths-r6-h200.json).
+# Metal runs the same body: enabled by construction, as every kernel here. KIVI.gpu_unverified leaves such layouts out
+# of the level rule where no GPU backend is here.
+ONE_BIT_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # Backends where the tiled pass and the history decode turn key channels at different widths stored before RoPE (KCLS
 # with ROPE: each channel of a pair read at its row and its class's width); elsewhere such a cache attends through the
 # reference path, and rope=auto keeps keys at different widths as given. The CPU emulator checks both kernels against
-# the reference in the tests (tests/test_kvcache_kernel_emulation.py); no GPU has run them yet.
-WIDTH_ROPE_BACKENDS: tuple[str, ...] = ("emulate",)
+# the reference in the tests (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity tests on the lent
+# H200 (kernel-parity-widths-r5-h200.log) and decoded and prefilled the 8B shape at 32k with them
+# (decode-key-widths-r6-h200.json). There the 4-bit layout decoded slower before RoPE than as given (0.72x/0.68x/0.56x
+# of fp16 at 8k/32k/131k against 0.96x/0.88x/0.73x in the same run), which is why the 4- and 3-bit levels keep their
+# keys as given (no rope=auto; engine/planning/recommend.py) and only the 2-bit level, which needs the quality, stores
+# them before RoPE. Metal runs the same body: enabled by construction, as every kernel here.
+WIDTH_ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # Key widths, keys as given: phase 1 of the tiled pass in its uniform form (template KUNI: every channel of a slice in
 # one loop, its width read at run time) rather than class by class at compile-time widths (the measured default:

@@ -406,10 +406,12 @@ KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # the inverse order, so keys before RoPE are turned too; WIDTH_ROPE_BACKENDS) passed the H200's parity test on
 # 2026-12-03 with widths 2-5 as given, before RoPE and with the narrowest class empty, 300 to 33,000 tokens
 # (kernel-parity-widths-r4-h200.log; widths 1-4 failed there, their caches filled through MLX's broken 1-bit CUDA
-# quantize, see decode.ONE_BIT_BACKENDS). Held back from CUDA and Metal until a 32k prefill of the 8B shape passes too
-# (the device time ran out first): meanwhile the 4- and 3-bit levels prefill through MLX on a GPU (round 13: 0.46x of
-# fp16's prefill speed at 32k, against 0.87x for the 3-bit layout without widths).
-WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate",)
+# quantize, see decode.ONE_BIT_BACKENDS). With 1-bit codes packed by Velox all of them passed there, widths 1-4 too
+# (kernel-parity-widths-r5-h200.log), and a 32k-token prefill of the 8B shape ran through it as given and before RoPE
+# (decode-key-widths-r6-h200.json): 4,414 tok/s for the 4-bit level as given against 4,289 through MLX and 7,187 for
+# fp16 in the same run, so most of what the key widths cost a prefill on a GPU lies outside this kernel (issue 11).
+# Metal runs the same body: enabled by construction, as every kernel here.
+WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 
 def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool = False) -> bool:
