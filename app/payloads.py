@@ -70,6 +70,8 @@ class LevelSummary:
             extras.append(f"keys in blocks of {config.options['key_block']} tokens")
         if config.wide_fraction:
             extras.append(f"one bit more on the {config.wide_fraction:.0%} most sensitive layers")
+        if "key_widths" in config.options:
+            extras.append("key channels at calibrated widths")
         if config.options.get("rope") in ("auto", "pre"):
             extras.append("keys stored before RoPE" + (" on a GPU" if config.options["rope"] == "auto" else ""))
         return cls(key=str(level.key), label=str(level.label), method=str(config.method),

@@ -43,3 +43,6 @@ def test_level_summary_names_what_a_level_keeps_besides_its_codes() -> None:
         "4", "4-bit", KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128:rope=auto:wide=0.1"), ""))
     assert level.extras == ("4 sink tokens in 16 bits, keys in blocks of 128 tokens, one bit more on the 10% most "
                             "sensitive layers, keys stored before RoPE on a GPU")
+    widths = LevelSummary.from_level(CompressionLevel(
+        "2", "2-bit", KVCacheConfig.parse("kivi:k2v2:g64:key_widths=calibrated:rope=auto"), ""))
+    assert widths.extras == "key channels at calibrated widths, keys stored before RoPE on a GPU"
