@@ -116,8 +116,9 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # 62.5 % against fp16's 93.8 % (1k/2k/4k/8k: 85/70/50/45 % against 100/100/100/75 %), where the replaced level
     # had 8.8 % (quality-use-2bit-rope-h200.json); greedy match 5.6 % against its 7.2 %. Decode there 0.68x/0.64x/
     # 0.60x of fp16 at 8k/32k/131k against 0.82x/0.66x/0.66x for the replaced level in the same run
-    # (decode-key-widths-r6-h200.json). Keys on Lloyd-Max levels are not eligible: without a GPU kernel attention
-    # decodes the gridded keys every step (cpu_decode_probe.json). BENCHMARKS.md, round 15.
+    # (decode-key-widths-r6-h200.json). On the CPU 5.5-5.6 tok/s decode against 6.0-6.4 for the replaced level
+    # (SmolLM2 at 4k tokens, cpu_decode_2bit_widths.json). Keys on Lloyd-Max levels are not eligible: without a GPU
+    # kernel attention decodes the gridded keys every step (cpu_decode_probe.json). BENCHMARKS.md, round 15.
     ("2", "2-bit", "kivi:k2v2:g64:s4:clip_search=true:key_block=128:key_widths=calibrated:rope=auto:rotate_values=true:"
      "wide=0.1", "poor quality: answers may be wrong or garbled",
      "ppl +14.66% (±1.18) KL 0.1517 top1 78.1% (4094 scored tokens); needle -31.2 points vs fp16 (80 trials); "
