@@ -108,7 +108,8 @@ LEVEL_TABLE: tuple[tuple[str, str, str, str, str], ...] = (
     # +35.62% (KL 0.326) for the level it replaced (the same without key widths; the plain
     # kivi:k2v2:g64:s4:key_block=128 at 2.39 bits +121.8%, KL 0.826); held out on two 4k-token windows (CPU)
     # +15.0% as given and +8.3% before RoPE, against +39.4% / +18.7% (near_lossless_2bit_widths_twomeans_4k.json,
-    # near_lossless_2bit_4k.json).
+    # near_lossless_2bit_4k.json); on two Areopagitica windows +12.7% / +6.4%, against the replaced level's +14.5%
+    # before RoPE (near_lossless_2bit_widths_areopagitica_4k.json).
     # rope=auto (only this level; not part of the rule's choice, see benchmarks.harness.levels.DEVICE_OPTIONS): where
     # a GPU decode kernel turns keys (CUDA, Metal) they are stored before RoPE, within issue 12's +10%; elsewhere (the
     # CPU, where the sweep's figures in the last column were measured) the level is exactly the rule's cache. On the
