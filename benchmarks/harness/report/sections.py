@@ -199,9 +199,10 @@ def _levels_table(chosen: dict[str, dict[str, Any]]) -> str:
         agrees = "✓" if level_matches(row["spec"], level) else "✗ differs: rerun the rule"
         use = choice["use"].get(row["spec"], {})
         points = NEEDLE_POINTS.get(level.key)
-        needle = _needle_text(use.get("needle"))
-        needle = needle if points is not None else ("not weighed" if needle in ("—", "not measured")
-                                                    else f"{needle}, not weighed")
+        verdict = use.get("needle")
+        needle = _needle_text(verdict)
+        if points is None:  # shown where measured, but not weighed at this level
+            needle = f"{needle}, not weighed" if verdict and verdict["measured"] else "not weighed"
         needle += "" if choice["meets_use"] else " **misses the use targets: lowest KL kept**"
         body.append([level.label, f"{choice['budget']:g}", f"**{row['label']}**", f"{_table_config(level)} {agrees}",
                      f.fmt_bits(row), f.fmt(row["mean_kl"], ".4f"), f.fmt_delta(row), needle,
