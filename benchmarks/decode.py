@@ -128,17 +128,20 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
 
 
 def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
-    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize or .encode) by name;
-    returns their previous values."""
+    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize or .encode, or of the caches'
+    engine.kvcache.base, e.g. PREFILL_AHEAD_CHUNKS) by name; returns their previous values."""
+    from engine.kvcache import base as cache_base
     from engine.kvcache.kernels import decode as decode_kernels
     from engine.kvcache.kernels import dequantize as dequantize_kernels
     from engine.kvcache.kernels import encode as encode_kernels
 
     previous = {}
+    modules = (decode_kernels, dequantize_kernels, encode_kernels, cache_base)
     for name, value in constants.items():
-        module = next((m for m in (decode_kernels, dequantize_kernels, encode_kernels) if hasattr(m, name)), None)
+        module = next((m for m in modules if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize and .encode have no constant {name!r}")
+            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize, .encode and engine.kvcache.base have no "
+                             f"constant {name!r}")
         previous[name] = getattr(module, name)
         setattr(module, name, value)
     return previous

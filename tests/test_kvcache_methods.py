@@ -170,6 +170,50 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     assert cache.nbytes < fp16_bytes * ((config.key_bits + 1.5) / 16 if not config.residual_window else 0.4)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVCacheConfig("kivi", 4, group_size=32, residual_window=32, sink_tokens=4),
+        KVCacheConfig("affine", 4),
+        KVCacheConfig("turboquant", 3, residual_window=8, sink_tokens=2),
+    ],
+    ids=lambda config: config.describe(),
+)
+def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_back(config: KVCacheConfig) -> None:
+    """A prefill chunk grows the compressed store with room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the
+    next chunks are appended in place (no new buffers); the first decode step gives that room back: nbytes is again
+    every array held, equal to the formula at the tokens rounded up to the 256-token step, and the cache holds the
+    same codes as one filled in 256-token chunks (which never grows ahead)."""
+    from engine.kvcache.base import PREFILL_AHEAD_CHUNKS
+
+    chunk = 1024
+    n_chunks = PREFILL_AHEAD_CHUNKS  # the first chunk's growth leaves room for one more after them
+    keys, values = random_kv(n_kv_heads=2, n_tokens=n_chunks * chunk + 1, head_dim=64, seed=21)
+    method = get_method(config.method)
+    cache = method(config)
+    stores = []
+    for start in range(0, n_chunks * chunk, chunk):
+        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
+        mx.eval(cache._held_arrays())
+        stores.append(cache._store)
+    assert all(store is stores[0] for store in stores)  # grown by the first chunk only
+    assert cache.capacity >= n_chunks * chunk + chunk - cache.token_block  # room for one more chunk
+    assert cache.nbytes == array_bytes(cache)  # the room ahead is held, and counted
+
+    cache.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])  # a decode step
+    mx.eval(cache._held_arrays())
+    assert cache.capacity == math.ceil(cache.n_compressed / method.step) * method.step
+    assert cache.nbytes == array_bytes(cache)
+    assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
+
+    reference = filled(method(config), keys, values, chunk=256)
+    assert reference.capacity == cache.capacity and reference.n_compressed == cache.n_compressed
+    held, expected = cache._compressed_view(), reference._compressed_view()
+    assert held.keys() == expected.keys()
+    for name in held:
+        assert mx.array_equal(held[name], expected[name]), name
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_keys_and_values_are_both_stored_compressed(name: str) -> None:
     model, caches = build_caches(CONFIGS[name])

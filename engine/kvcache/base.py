@@ -58,6 +58,14 @@ DEQUANTIZE_MIN_ROWS = 16
 # SmolLM2 (KIVI 4-bit, CPU), a 512-token chunk over 4k cached tokens: 21.5 s with the key blocks, 8.4 s this
 # way (the float32 cache: 8.6 s). Above the cap (e.g. an 8B model past ~64k tokens in bf16), the key blocks.
 DENSE_HISTORY_MAX_BYTES = 256 << 20
+# A prefill chunk of more than `step` tokens grows the compressed store with room for this many more chunks of its
+# size. Growing every store array to the exact need at every chunk (a new buffer each, the history copied over) cost
+# the key-widths layout (15 arrays a layer against 6 for plain KIVI) a fifth of its 32k-token prefill in 2,048-token
+# chunks on an H200: 5,056 tok/s against 6,094 with room for ~4 chunks at a time, fp16 6,832 / 6,777 in the same
+# runs (benchmarks/results/prefill-chunks-growth-step-h200.json). The room is given back at the first update of at
+# most `step` tokens (a decode step: `_release_room_ahead`), so a cache that is being decoded holds its tokens
+# rounded up to `step`, as before.
+PREFILL_AHEAD_CHUNKS = 3
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
 
@@ -322,9 +330,8 @@ class VeloxKVCache(_BaseCache):
         return f"{type(self).__name__}({self.config.describe()}, layer={self.layer_index}, offset={self.offset})"
 
 
-def _grow_to(array: mx.array | None, used: int, needed: int, step: int, like: mx.array) -> mx.array:
-    """A buffer with room for `needed` tokens on axis -2, keeping the first `used` tokens of `array`."""
-    capacity = math.ceil(needed / step) * step
+def _grow_to(array: mx.array | None, used: int, capacity: int, like: mx.array) -> mx.array:
+    """A buffer of `capacity` tokens on axis -2, keeping the first `used` tokens of `array`."""
     shape = (*like.shape[:-2], capacity, like.shape[-1])
     grown = mx.zeros(shape, dtype=like.dtype)
     if array is not None and used > 0:
@@ -616,6 +623,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         keys = self._keys_in(keys).astype(dense_dtype)
         values = self._values_in(values).astype(dense_dtype)
         n_new = keys.shape[-2]
+        if n_new <= self.step:  # decoding (not a prefill chunk): no more room ahead needed
+            self._release_room_ahead()
         start = 0
         if self.n_sink < self.config.sink_tokens and self.offset == self.n_sink:
             start = min(self.config.sink_tokens - self.n_sink, n_new)
@@ -658,18 +667,29 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
         return neutral(keys), neutral(values)
 
+    def _grown_capacity(self, needed: int, n_new: int) -> int:
+        """Compressed token slots to grow to for `needed` tokens, `n_new` of them new: rounded up to `step`, with
+        room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a prefill chunk's."""
+        ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step else 0
+        return math.ceil((needed + ahead) / self.step) * self.step
+
+    def _release_room_ahead(self) -> None:
+        """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
+        tokens rounded up to `step` (at least `step`)."""
+        if self._store is None:
+            return
+        keep = max(self.step, math.ceil(self._n_compressed / self.step) * self.step)
+        if self.capacity > keep:
+            self._store = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
+
     def _append_compressed(self, chunk: dict[str, mx.array]) -> None:
         n_new = next(iter(chunk.values())).shape[-2]
         needed = self._n_compressed + n_new
         if self._store is None or needed > self.capacity:
+            capacity = self._grown_capacity(needed, n_new)
             self._store = {
-                name: _grow_to(
-                    None if self._store is None else self._store[name],
-                    self._n_compressed,
-                    needed,
-                    self.step,
-                    like=part,
-                )
+                name: _grow_to(None if self._store is None else self._store[name], self._n_compressed, capacity,
+                               like=part)
                 for name, part in chunk.items()
             }
         for name, part in chunk.items():

@@ -931,7 +931,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         used = self._n_compressed
         needed = used + n_new
         if self._store is None or needed > self.capacity:
-            new_capacity = math.ceil(needed / self.step) * self.step
+            new_capacity = self._grown_capacity(needed, n_new)
             grown = {}
             for name, part in chunk.items():
                 old = None if self._store is None else self._store[name]
@@ -943,7 +943,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                         buffer[..., : self._key_units(name, used)] = old[..., : self._key_units(name, used)]
                     grown[name] = buffer
                 else:
-                    grown[name] = _grow_to(old, used, needed, self.step, like=part)
+                    grown[name] = _grow_to(old, used, new_capacity, like=part)
             self._store = grown
         for name, part in chunk.items():
             if _is_key_part(name):
