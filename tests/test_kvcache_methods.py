@@ -180,14 +180,15 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     ids=lambda config: config.describe(),
 )
 def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_back(config: KVCacheConfig) -> None:
-    """A prefill chunk grows the compressed store with room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the
-    next chunks are appended in place (no new buffers); the first decode step gives that room back: nbytes is again
-    every array held, equal to the formula at the tokens rounded up to the 256-token step, and the cache holds the
-    same codes as one filled in 256-token chunks (which never grows ahead)."""
+    """The first prefill chunk grows the compressed store to its tokens; a later chunk that grows it grows it with
+    room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the next chunks are appended in place (no new buffers);
+    the first decode step gives that room back: nbytes is again every array held, equal to the formula at the tokens
+    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps (which never
+    grows ahead)."""
     from engine.kvcache.base import PREFILL_AHEAD_CHUNKS
 
     chunk = 1024
-    n_chunks = PREFILL_AHEAD_CHUNKS  # the first chunk's growth leaves room for one more after them
+    n_chunks = PREFILL_AHEAD_CHUNKS + 1  # the second chunk's growth leaves room for one more after them
     keys, values = random_kv(n_kv_heads=2, n_tokens=n_chunks * chunk + 1, head_dim=64, seed=21)
     method = get_method(config.method)
     cache = method(config)
@@ -196,7 +197,9 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
         cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
         mx.eval(cache._held_arrays())
         stores.append(cache._store)
-    assert all(store is stores[0] for store in stores)  # grown by the first chunk only
+        if start == 0:  # a prompt prefilled in one call holds exactly its tokens
+            assert cache.capacity == math.ceil(cache.n_compressed / method.step) * method.step
+    assert stores[1] is not stores[0] and all(store is stores[1] for store in stores[1:])  # grown once ahead
     assert cache.capacity >= n_chunks * chunk + chunk - cache.token_block  # room for one more chunk
     assert cache.nbytes == array_bytes(cache)  # the room ahead is held, and counted
 

@@ -58,13 +58,13 @@ DEQUANTIZE_MIN_ROWS = 16
 # SmolLM2 (KIVI 4-bit, CPU), a 512-token chunk over 4k cached tokens: 21.5 s with the key blocks, 8.4 s this
 # way (the float32 cache: 8.6 s). Above the cap (e.g. an 8B model past ~64k tokens in bf16), the key blocks.
 DENSE_HISTORY_MAX_BYTES = 256 << 20
-# A prefill chunk of more than `step` tokens grows the compressed store with room for this many more chunks of its
-# size. Growing every store array to the exact need at every chunk (a new buffer each, the history copied over) cost
+# A prefill chunk of more than `step` tokens that grows the compressed store (from the second chunk on) grows it with
+# room for this many more chunks of its size. Growing every store array to the exact need at every chunk (a new buffer each, the history copied over) cost
 # the key-widths layout (15 arrays a layer against 6 for plain KIVI) a fifth of its 32k-token prefill in 2,048-token
 # chunks on an H200: 5,056 tok/s against 6,094 with room for ~4 chunks at a time, fp16 6,832 / 6,777 in the same
 # runs (benchmarks/results/prefill-chunks-growth-step-h200.json). The room is given back at the first update of at
-# most `step` tokens (a decode step: `_release_room_ahead`), so a cache that is being decoded holds its tokens
-# rounded up to `step`, as before.
+# most `step` tokens (a decode step: `_release_room_ahead`; mlx-lm's generate_step feeds a prompt's last token on its
+# own), so a cache that is being decoded holds its tokens rounded up to `step`, as before.
 PREFILL_AHEAD_CHUNKS = 3
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
@@ -669,8 +669,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
     def _grown_capacity(self, needed: int, n_new: int) -> int:
         """Compressed token slots to grow to for `needed` tokens, `n_new` of them new: rounded up to `step`, with
-        room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a prefill chunk's."""
-        ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step else 0
+        room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a prefill chunk's after the first (a prompt
+        prefilled in one call holds exactly its tokens)."""
+        ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0
         return math.ceil((needed + ahead) / self.step) * self.step
 
     def _release_room_ahead(self) -> None:
