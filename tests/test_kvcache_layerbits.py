@@ -292,8 +292,8 @@ def test_the_default_model_needs_no_calibration_run(smollm, key: str, layers: tu
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Velox ships the default model's calibrations for the wide levels: building one measures nothing (the
     measuring function fails if called) and writes nothing to the data folder; so also where a GPU kernel turns
-    keys (the CPU emulator stands in for it) and the 2-bit level's rope=auto stores them before RoPE: the same
-    layers widen on every device."""
+    keys (the CPU emulator stands in for it) and the 3- and 2-bit levels' rope=auto stores them before RoPE: the
+    same layers widen on every device."""
     from engine.kvcache import kernels
     from engine.planning.recommend import level_by_key
 
@@ -307,11 +307,13 @@ def test_the_default_model_needs_no_calibration_run(smollm, key: str, layers: tu
     monkeypatch.setattr(sensitivity, "layer_kl", measure)
     model, tokenizer, _ = smollm
     level = level_by_key(key).config
-    # Only the 2-bit level stores keys before RoPE on a GPU (the 4- and 3-bit levels keep them as given).
-    assert level.wide_fraction == 0.1 and (level.options.get("rope") == "auto") == (key == "2")
+    # The 3- and 2-bit levels store keys before RoPE on a GPU (the 4-bit level keeps them as given).
+    assert level.wide_fraction == 0.1 and (level.options.get("rope") == "auto") == (key in ("3", "2"))
     config = KVCacheBuilder(level).for_model(model, tokenizer=tokenizer).config
     assert config.wide_layers == layers
-    assert (config.options.get("rope") == "pre") == (gpu and key == "2")
+    assert (config.options.get("rope") == "pre") == (gpu and key in ("3", "2"))
+    if gpu and key == "3":  # the layout the H200's needle and greedy runs of the 3-bit level measured
+        assert config.options["key_widths"] == "kwda1f23c2fc149293"
     assert config.options["key_widths"].startswith("kw")  # the bundled key widths of that form, measured by no one
     assert not list(tmp_path.rglob("*.json"))
 

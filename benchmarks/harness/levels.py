@@ -58,9 +58,9 @@ _ATTENTION_EXTRA = {"affine": 0, "kivi": 0, "rotated": 1}
 # Options a level carries beyond the rule's choice. They build the very cache the rule chose wherever no GPU decode
 # kernel runs (the CPU, where the quality sweep runs: tests/test_kvcache_prerope.py builds each level both ways) and
 # change it only where one does, so LEVEL_TABLE writes them while the rule, the sweep and the report compare levels without
-# them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; since key widths (round 15) only the 2-bit
-# level carries it, which needs the quality (the 4- and 3-bit levels decoded faster on the H200 with keys as given and
-# meet issue 12's targets so; engine/planning/recommend.py says what each measured).
+# them. KIVI's rope=auto stores keys before RoPE where the kernel turns them; since key widths (rounds 15-16) the 3- and
+# 2-bit levels carry it, ahead on quality there (the 4-bit level decoded a quarter slower on the H200 before RoPE and
+# meets issue 12's targets as given; engine/planning/recommend.py says what each measured).
 DEVICE_OPTIONS: dict[str, object] = {"rope": "auto"}
 
 
