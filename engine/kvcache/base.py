@@ -59,12 +59,14 @@ DEQUANTIZE_MIN_ROWS = 16
 # way (the float32 cache: 8.6 s). Above the cap (e.g. an 8B model past ~64k tokens in bf16), the key blocks.
 DENSE_HISTORY_MAX_BYTES = 256 << 20
 # A prefill chunk of more than `step` tokens that grows the compressed store (from the second chunk on) grows it with
-# room for this many more chunks of its size. Growing every store array to the exact need at every chunk (a new buffer each, the history copied over) cost
-# the key-widths layout (15 arrays a layer against 6 for plain KIVI) a fifth of its 32k-token prefill in 2,048-token
-# chunks on an H200: 5,056 tok/s against 6,094 with room for ~4 chunks at a time, fp16 6,832 / 6,777 in the same
-# runs (benchmarks/results/prefill-chunks-growth-step-h200.json). The room is given back at the first update of at
-# most `step` tokens (a decode step: `_release_room_ahead`; mlx-lm's generate_step feeds a prompt's last token on its
-# own), so a cache that is being decoded holds its tokens rounded up to `step`, as before.
+# room for this many more chunks of its size. Growing every store array to the exact need at every chunk (a new
+# buffer each, the history copied over) cost the key-widths layout (15 arrays a layer against 6 for plain KIVI) a
+# fifth of its 32k-token prefill in 2,048-token chunks on an H200: 5,056 tok/s against 6,094 with the store grown
+# in 8,192-token steps, fp16 6,832 / 6,777 in the same runs (benchmarks/results/prefill-chunks-growth-step-h200.json);
+# with this room the 4-bit level prefilled at 0.80x of fp16 against 0.71x without (prefill-room-ahead-h200.json).
+# The room is given back at the first update of at most `step` tokens (a decode step: `_release_room_ahead`;
+# mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that is being decoded holds its tokens
+# rounded up to `step`, as before; nbytes counts the room while it is held.
 PREFILL_AHEAD_CHUNKS = 3
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
