@@ -1046,8 +1046,31 @@ def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     with spec_constants('turboquant:k4v4:g64#BACKENDS=["emulate"]') as text:
         assert text == "turboquant:k4v4:g64" and dequantize.BACKENDS == ["emulate"]
     assert dequantize.BACKENDS is held
+    # The caches' own constants too (a same-run A/B of the room a prefill grows).
+    from engine.kvcache import base
+
+    with spec_constants("kivi:k4v4:g64#PREFILL_AHEAD_CHUNKS=0"):
+        assert base.PREFILL_AHEAD_CHUNKS == 0
+    assert base.PREFILL_AHEAD_CHUNKS == 3
     with pytest.raises(SystemExit, match="no constant 'NOT_A_CONSTANT'"), spec_constants("kivi:k2v2#NOT_A_CONSTANT=1"):
         pass
+
+
+def test_prefill_layer_times_each_part_of_a_chunk_in_one_layer(tmp_path: Path) -> None:
+    """benchmarks/prefill_layer.py on the tiny shape: a row per spec with each part's time; a compressed cache's parts
+    include its encode and history decode, and the timed updates are trimmed back (the cache the attention runs on
+    holds the history and one chunk)."""
+    from benchmarks import prefill_layer
+
+    out = tmp_path / "layer.json"
+    specs = "fp16,kivi:k3v3:g64:s4:key_block=128:key_outliers=1:key_widths=uniform"
+    assert prefill_layer.main(["--shape", "tiny", "--history", "384", "--chunk", "256", "--repeats", "1",
+                               "--specs", specs, "--out", str(out)]) == 0
+    fp16, kivi = json.loads(out.read_text())["rows"]
+    assert set(fp16) == {"spec", "history", "chunk", "update_ms", "attend_ms", "nbytes"}
+    assert all(kivi[f"{part}_ms"] > 0 for part in ("encode", "update", "history", "attend"))
+    assert kivi["spec"].endswith("key_widths=uniform") and kivi["history"] == 384 and kivi["chunk"] == 256
+    assert fp16["nbytes"] == 2 * 2 * 64 * 2 * 768  # K and V, 2 kv heads of 64, bf16, 640 tokens held in 768 slots
 
 
 def _decode_record(rows: list[dict]) -> dict:
