@@ -239,3 +239,35 @@ def test_model_without_a_shape_is_an_error() -> None:
         recommend(broken, 1024, 16 * GiB)
     with pytest.raises(ModelError):
         cache_bytes(broken, 1024, "16")
+
+
+def test_a_compressed_level_budgets_the_room_a_chunked_prefill_grows_and_the_real_cache_stays_within() -> None:
+    """fit_verdicts counts, at a compressed level and for a prompt of more than one chunk, the room the store grows
+    ahead for the next chunks (prefill_room_bytes); a real cache fed the prompt chunk by chunk never holds more than
+    the cache the formula gives (at the tokens rounded up to the 256-token step) plus that room."""
+    from engine.kvcache import get_method
+    from engine.planning.recommend import prefill_room_bytes
+
+    chunk, n_tokens = 512, 3000
+    eight = level_by_key("8")
+    verdicts = {v.level.key: v for v in fit_verdicts(SMOLLM2, n_tokens, 64 * GiB, prefill_chunk=chunk)}
+    room = prefill_room_bytes(SMOLLM2, n_tokens, eight, chunk)
+    assert room == cache_bytes(SMOLLM2, 3 * chunk, eight) > 0
+    assert verdicts["8"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk) + room
+    assert verdicts["16"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk)  # a 16-bit cache grows no room
+    assert prefill_room_bytes(SMOLLM2, chunk, eight, chunk) == 0  # one chunk: no room
+
+    info = replace(SMOLLM2, layers=1)
+    (cache,) = KVCacheBuilder(eight.config).for_shape(ModelShape(
+        n_layers=1, n_heads=info.attention_heads, n_kv_heads=info.kv_heads, head_dim=info.head_dim)).build()
+    data = mx.random.normal((1, info.kv_heads, n_tokens, info.head_dim), key=mx.random.key(3)).astype(mx.bfloat16)
+    held = []
+    for start in range(0, n_tokens, chunk):
+        cache.update_and_fetch(data[..., start:start + chunk, :], data[..., start:start + chunk, :])
+        mx.eval(cache.state)
+        held.append(cache.nbytes)
+    step = get_method(eight.config.method).step
+    bound = (cache_bytes(info, -(-n_tokens // step) * step, eight)
+             + prefill_room_bytes(info, n_tokens, eight, chunk))
+    assert max(held) <= bound
+    assert max(held) > cache_bytes(info, -(-n_tokens // step) * step, eight)  # the room was held, so counted

@@ -14,7 +14,10 @@ Memory model (all in bytes; `fit_verdicts` reports each term so the app can show
                     prefill chunk in one layer (prefill_chunk x n_tokens x attention_heads x 4 bytes: they
                     are materialised in fp32, measured on the CPU: a 512-token chunk against 16k cached
                     tokens with 32 heads peaked at 1.09 GB for 1.07 GB of scores) + the fp32 logits of one
-                    chunk (prefill_chunk x vocab x 4 bytes; mlx-lm computes logits for every position).
+                    chunk (prefill_chunk x vocab x 4 bytes; mlx-lm computes logits for every position);
+                    at a compressed level, when the prompt takes more than one chunk, also the room its store
+                    grows ahead for the next chunks (engine.kvcache.base.PREFILL_AHEAD_CHUNKS chunks of
+                    compressed tokens, given back at the first decode step: `prefill_room_bytes`).
 
 At long contexts the scores of a prefill chunk can outweigh the cache itself (Llama-3.1-8B at 128k tokens
 with 512-token chunks: 8.6 GB), so `prefill_chunk` is a parameter: a smaller chunk is the cheap way to fit.
@@ -235,6 +238,20 @@ def working_bytes(info: ModelInfo, n_tokens: int, prefill_chunk: int = DEFAULT_P
     return RUNTIME_OVERHEAD_BYTES + scores + logits
 
 
+def prefill_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str,
+                       prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Bytes a chunked prefill of `n_tokens` holds beyond the cache at `level`: room for PREFILL_AHEAD_CHUNKS more
+    chunks of compressed tokens, which a compressed store grows from a prompt's second chunk on (0 at 16 bits and
+    for a prompt of one chunk)."""
+    from engine.kvcache.base import PREFILL_AHEAD_CHUNKS, SegmentedKVCache
+
+    level = _as_level(level)
+    chunk = max(1, prefill_chunk)
+    if n_tokens <= chunk or not issubclass(get_method(level.config.method), SegmentedKVCache):
+        return 0
+    return cache_bytes(info, PREFILL_AHEAD_CHUNKS * chunk, level)
+
+
 def resident_weights_bytes(info: ModelInfo, *, fp32_weights: bool = False) -> int:
     """Bytes the weights occupy once loaded: their size on disk, or parameters x 4 when the loader expands
     them to fp32 (the Linux CPU fast path: engine.runtime.cpu.weights.prefer_fp32_weights())."""
@@ -251,7 +268,7 @@ class FitVerdict:
     n_tokens: int
     cache_bytes: int  # 0 when the level is not supported
     weights_bytes: int
-    working_bytes: int
+    working_bytes: int  # working_bytes() + prefill_room_bytes() at this level
     needed_bytes: int  # weights + cache + working memory
     budget_bytes: int  # safety_fraction x available
     available_bytes: int
@@ -292,32 +309,31 @@ def fit_verdicts(
     verdicts = []
     for level in LEVELS:
         common = dict(
-            level=level, n_tokens=n_tokens, weights_bytes=weights, working_bytes=working, budget_bytes=budget,
+            level=level, n_tokens=n_tokens, weights_bytes=weights, budget_bytes=budget,
             available_bytes=available_bytes, safety_fraction=safety_fraction, exceeds_context=exceeds_context,
         )
         try:
             cache = cache_bytes(info, n_tokens, level)
+            level_working = working + prefill_room_bytes(info, n_tokens, level, prefill_chunk)
         except ConfigError as error:
             message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
-            verdicts.append(
-                FitVerdict(**common, cache_bytes=0, needed_bytes=0, supported=False, fits=False, message=message)
-            )
+            verdicts.append(FitVerdict(**common, working_bytes=working, cache_bytes=0, needed_bytes=0, supported=False,
+                                       fits=False, message=message))
             continue
-        needed = weights + cache + working
+        needed = weights + cache + level_working
         fits = needed <= budget
         if fits:
             message = f"fits at {level.label}: {format_bytes(cache)} of cache"
         else:
             message = (
                 f"does not fit at {level.label}: needs {format_bytes(needed)} (model {format_bytes(weights)}"
-                f" + cache {format_bytes(cache)} + working memory {format_bytes(working)}), "
+                f" + cache {format_bytes(cache)} + working memory {format_bytes(level_working)}), "
                 f"{format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
             )
         if exceeds_context:
             message += f" (but {n_tokens} tokens exceed the model's {info.max_context}-token context)"
-        verdicts.append(
-            FitVerdict(**common, cache_bytes=cache, needed_bytes=needed, supported=True, fits=fits, message=message)
-        )
+        verdicts.append(FitVerdict(**common, working_bytes=level_working, cache_bytes=cache, needed_bytes=needed,
+                                   supported=True, fits=fits, message=message))
     return verdicts
 
 
