@@ -355,6 +355,22 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     return out
 
 
+def chunked_prefill(model: nn.Module, caches: list[Any], prompt: Any,
+                    chunk: int = PREFILL_CHUNK) -> list[tuple[float, float]]:
+    """Feeds `prompt` [1, N] through the model into `caches` in chunks of `chunk` tokens, each evaluated with the
+    caches' state before the next; per chunk, the seconds to build its graph (host) and to evaluate it."""
+    import mlx.core as mx
+
+    times = []
+    for start in range(0, prompt.shape[1], chunk):
+        began = time.perf_counter()
+        logits = model(prompt[:, start : start + chunk], cache=caches)
+        built = time.perf_counter()
+        mx.eval(logits, [c.state for c in caches])
+        times.append((built - began, time.perf_counter() - built))
+    return times
+
+
 def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
     """A chunked prefill of `n_tokens` into fresh caches, timed on its second run: the first compiles the
     kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
@@ -367,9 +383,7 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, An
         caches = make_caches(spec, shape["layers"], shape)
         mx.synchronize()
         began = time.perf_counter()
-        for start in range(0, n_tokens, PREFILL_CHUNK):
-            logits = model(prompt[:, start : start + PREFILL_CHUNK], cache=caches)
-            mx.eval(logits, [c.state for c in caches])
+        chunked_prefill(model, caches, prompt)
         mx.synchronize()
         seconds = time.perf_counter() - began
         if not timed:

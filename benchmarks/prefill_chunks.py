@@ -58,18 +58,13 @@ def prefill_chunks(model: Any, spec: str, prompt: Any, shape: dict[str, Any], ch
     import mlx.core as mx
 
     caches = caches_for(spec, shape)
-    builds, evals = [], []
     mx.synchronize()
     began = time.perf_counter()
-    for start in range(0, prompt.shape[1], chunk):
-        built_from = time.perf_counter()
-        logits = model(prompt[:, start:start + chunk], cache=caches)
-        built = time.perf_counter()
-        mx.eval(logits, [c.state for c in caches])
-        mx.synchronize()
-        builds.append(round(1000 * (built - built_from), 1))
-        evals.append(round(1000 * (time.perf_counter() - built), 1))
+    times = bench.chunked_prefill(model, caches, prompt, chunk)
+    mx.synchronize()
     seconds = time.perf_counter() - began
+    builds = [round(1000 * build, 1) for build, _ in times]
+    evals = [round(1000 * evaluation, 1) for _, evaluation in times]
     del caches
     mx.clear_cache()
     return {"spec": spec, "tokens": int(prompt.shape[1]), "tok_s": prompt.shape[1] / seconds, "build_ms": builds,
