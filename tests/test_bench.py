@@ -583,9 +583,9 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                     r"(\d\.\d\d)× with keys before RoPE and (\d\.\d\d)× as given at 8k\s+tokens.+? A (\d\d),(\d\d\d)-token "
                     r"prefill into the 4-bit level\s+ran at (\d\.\d\d)× of the 16-bit cache's speed there, against "
                     r"(\d\.\d\d)× for the 4-bit level it replaced\..+? the 4-bit level prefills at (\d\.\d\d)× "
-                    r"\((\d\.\d\d)× without that room, in the same run; the 3-bit level at (\d\.\d\d)×,\s+"
-                    r"`benchmarks/results/prefill-room-ahead-h200.json`; BENCHMARKS.md, \*round 16\*\): the 3-bit level's "
-                    r"prefill is still\s+to be made fast \(issue 11\)", section, re.S)
+                    r"\((\d\.\d\d)× without that room, in the same run; the 3-bit level, keys before RoPE,\s+"
+                    r"at (\d\.\d\d)×, `benchmarks/results/prefill-room-ahead-h200.json`; BENCHMARKS.md, \*round 16\*\): "
+                    r"the 3-bit level's prefill\s+is still to be made fast \(issue 11\)", section, re.S)
     assert two, "README no longer quotes the 2-bit level's figures (held out, needle, decode) and the levels' GPU speed"
     level2 = level_by_key("2").config
     assert level2.options["rope"] == "auto" == level_by_key("3").config.options["rope"]
@@ -630,20 +630,21 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     # with room grown ahead for prefill chunks (PREFILL_AHEAD_CHUNKS), and without it in the same run
     ahead = json.loads((COMMITTED / "prefill-room-ahead-h200.json").read_text())["prefill"]
     ahead_fp16 = next(r for r in ahead if r["spec"] == "fp16")["prefill_tok_s"]
-    as_levels = {(KVCacheConfig.parse(r["spec"]).key_bits, r.get("kernel_constants", {}).get("PREFILL_AHEAD_CHUNKS")): r
-                 for r in ahead if r["spec"] != "fp16" and "rope=pre" not in r["spec"]}
-    for bits in (4, 3):  # the levels' layouts, with the wide layers named for the 8B shape
-        assert KVCacheConfig.parse(as_levels[bits, None]["spec"].replace(":wide_layers=L1.10.18", "")) == (
-            without_device_options(level_by_key(str(bits)).config))
-    assert close(two[21], as_levels[4, None]["prefill_tok_s"] / ahead_fp16)
-    assert close(two[22], as_levels[4, 0]["prefill_tok_s"] / ahead_fp16)
-    assert close(two[23], as_levels[3, None]["prefill_tok_s"] / ahead_fp16)
+    as_levels = {(KVCacheConfig.parse(r["spec"]).key_bits, "rope=pre" in r["spec"],
+                  r.get("kernel_constants", {}).get("PREFILL_AHEAD_CHUNKS")): r for r in ahead if r["spec"] != "fp16"}
+    for bits, pre in ((4, False), (3, True)):  # the levels' layouts as a GPU builds them (wide layers of the 8B shape)
+        spec = as_levels[bits, pre, None]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
+        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(bits)).config)
+    assert close(two[21], as_levels[4, False, None]["prefill_tok_s"] / ahead_fp16)
+    assert close(two[22], as_levels[4, False, 0]["prefill_tok_s"] / ahead_fp16)
+    assert close(two[23], as_levels[3, True, None]["prefill_tok_s"] / ahead_fp16)
     checked.append(two[0])
 
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
-                       r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? their needle recall is ([\d.]+) % "
-                       r"and ([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and ([\d.]+) % "
-                       r"with keys as given, and they decode at (\d\.\d\d)× and (\d\.\d\d)× of the\s+16-bit cache's speed "
+                       r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
+                       r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "
+                       r"([\d.]+) % with keys as given, and they decode at\s+(\d\.\d\d)× and (\d\.\d\d)× of the\s+16-bit "
+                       r"cache's speed "
                        r"at 8k tokens and (\d\.\d\d)× and (\d\.\d\d)× at 32k \(one run, "
                        r"`benchmarks/results/decode-key-widths-r5-h200.json`;\s+BENCHMARKS.md, \*round 14\*\)", section, re.S)
     assert widths, "README no longer quotes what key widths did for the 4- and 3-bit levels"
