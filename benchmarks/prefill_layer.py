@@ -45,8 +45,12 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, repeats: int) -> dict[str, Any]:
-    """One spec's row: the four parts' median times (ms) for one layer holding `history` tokens."""
+PARTS = ("encode", "update", "history", "attend")
+
+
+def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, repeats: int,
+                  parts_wanted: tuple[str, ...] = PARTS) -> dict[str, Any]:
+    """One spec's row: the parts' median times (ms) for one layer holding `history` tokens."""
     import mlx.core as mx
     from mlx_lm.models.base import scaled_dot_product_attention
 
@@ -80,14 +84,18 @@ def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, re
     # A 16-bit cache has no encode or history decode: its update and attention only.
     compressed = hasattr(cache, "_encode")
     parts = {"encode": encode, "update": update, "history": history_decode} if compressed else {"update": update}
+    parts = {name: run for name, run in parts.items() if name in parts_wanted}
     for _ in range(2):
         for run in parts.values():
             run()
     row: dict[str, Any] = {"spec": spec, "history": history, "chunk": chunk}
     for name, run in parts.items():
         row[f"{name}_ms"] = median_ms(run, repeats)
-    cached_keys, cached_values = cache.update_and_fetch(keys, values)
+    cached_keys, cached_values = cache.update_and_fetch(keys, values)  # what the attention runs on
     mx.eval(cache.state)
+    row["nbytes"] = cache.nbytes
+    if "attend" not in parts_wanted:
+        return row
 
     def attend() -> None:
         mx.eval(scaled_dot_product_attention(queries, cached_keys, cached_values, cache=cache,
@@ -95,7 +103,6 @@ def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, re
 
     attend()
     row["attend_ms"] = median_ms(attend, repeats)
-    row["nbytes"] = cache.nbytes
     return row
 
 
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history", type=int, default=14336, help="tokens the layer holds before the chunk")
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated parts to time (default: %(default)s; on a CPU attention takes minutes)")
     parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="8b", help="tiny: a check of the command")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -117,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = bench.SHAPES[args.shape]
     rows = []
     for spec in args.specs.split(","):
-        row = profile_layer(spec, shape, args.history, args.chunk, args.repeats)
+        parts = tuple(part for part in args.parts.split(",") if part)
+        if not set(parts) <= set(PARTS):
+            parser.error(f"--parts takes {', '.join(PARTS)}, not {args.parts!r}")
+        row = profile_layer(spec, shape, args.history, args.chunk, args.repeats, parts)
         print(json.dumps(row), flush=True)
         rows.append(row)
         args.out.write_text(json.dumps({"schema": "velox-bench/1", "kind": "prefill-layer", "device":

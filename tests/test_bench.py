@@ -1088,6 +1088,10 @@ def test_prefill_layer_times_each_part_of_a_chunk_in_one_layer(tmp_path: Path) -
     assert all(kivi[f"{part}_ms"] > 0 for part in ("encode", "update", "history", "attend"))
     assert kivi["spec"].endswith("key_widths=uniform") and kivi["history"] == 384 and kivi["chunk"] == 256
     assert fp16["nbytes"] == 2 * 2 * 64 * 2 * 768  # K and V, 2 kv heads of 64, bf16, 640 tokens held in 768 slots
+    assert prefill_layer.main(["--shape", "tiny", "--history", "384", "--chunk", "256", "--repeats", "1",
+                               "--specs", "kivi:k4v4:g64", "--parts", "encode", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row) == {"spec", "history", "chunk", "encode_ms", "nbytes"}  # --parts: only the parts asked for
 
 
 def _decode_record(rows: list[dict]) -> dict:
