@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from engine.chat.session import GenerationSettings
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
+from engine.kvcache.base import PREFILL_AHEAD_CHUNKS, SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import get_method
 from engine.models.catalog import ModelInfo
@@ -243,8 +244,6 @@ def prefill_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel |
     """Bytes a chunked prefill of `n_tokens` holds beyond the cache at `level`: room for PREFILL_AHEAD_CHUNKS more
     chunks of compressed tokens, which a compressed store grows from a prompt's second chunk on (0 at 16 bits and
     for a prompt of one chunk)."""
-    from engine.kvcache.base import PREFILL_AHEAD_CHUNKS, SegmentedKVCache
-
     level = _as_level(level)
     chunk = max(1, prefill_chunk)
     if n_tokens <= chunk or not issubclass(get_method(level.config.method), SegmentedKVCache):
