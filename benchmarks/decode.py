@@ -247,12 +247,15 @@ def cache_bytes(caches: list[Any]) -> int:
 
 
 def fill(caches: list[Any], context: int, shape: dict[str, Any] = SHAPE) -> None:
-    """`context` random tokens into every layer through update_and_fetch, FILL_CHUNK at a time."""
+    """`context` random tokens into every layer through update_and_fetch, FILL_CHUNK at a time and the last one on
+    its own (`prompt_spans`: the bytes held then are what a decoding cache holds)."""
     import mlx.core as mx
 
+    from benchmarks.harness.common import prompt_spans
+
     chunk = (1, shape["kv_heads"], FILL_CHUNK, shape["head_dim"])
-    for start in range(0, context, FILL_CHUNK):
-        n = min(FILL_CHUNK, context - start)
+    for start, end in prompt_spans(0, context, FILL_CHUNK):
+        n = end - start
         keys = mx.random.normal(chunk).astype(mx.bfloat16)[..., :n, :]
         values = mx.random.normal(chunk).astype(mx.bfloat16)[..., :n, :]
         for cache in caches:

@@ -98,6 +98,23 @@ def test_effective_bits_from_the_bytes_actually_held(spec: str, input_dtype: mx.
     assert effective_bits_from_bytes(held, 512, n_layers=3, n_kv_heads=2, head_dim=64) == pytest.approx(bits)
 
 
+def test_the_memory_benchmark_reads_a_cache_as_it_holds_it_while_decoding() -> None:
+    """`memory.fill` feeds 1,024-token chunks and then the checkpoint's last token on its own (as mlx-lm's generate_step
+    feeds a prompt), so the room a compressed store grows for the next chunks during a prefill is given back before
+    the bytes are read: at 2,048 tokens affine:4 holds exactly what its formula gives (a whole number of 256-token
+    steps), not the room of three more chunks."""
+    from benchmarks.harness.memory import held_bytes_curve
+    from engine.kvcache import get_method
+
+    keys, values = random_kv(n_kv_heads=2, n_tokens=2048, head_dim=64, dtype=mx.bfloat16)
+    spec = parse_spec("affine:k4v4:g64")
+    rows = held_bytes_curve(spec, [keys], [values], [1024, 2048], mx.bfloat16)
+    config = spec.factory_for_shape(n_layers=1, head_dim=64)()[0].config
+    for row in rows:
+        assert row["held_bytes"] == get_method("affine").expected_nbytes(config, 64, row["tokens"], 2)
+
+
+
 def test_paired_difference_uses_block_means() -> None:
     reference = np.zeros(256)
     values = np.repeat([0.1, 0.3, 0.1, 0.3], 64)  # four blocks with means 0.1, 0.3, 0.1, 0.3

@@ -245,6 +245,17 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
+def prompt_spans(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """Token spans [s, e) that feed tokens [start, end) into caches as mlx-lm's generate_step feeds a prompt: `chunk`
+    tokens at a time, then the last token on its own. A compressed store grows room ahead for the next chunks while a
+    prefill runs and gives it back at an update of one token (engine.kvcache.base.PREFILL_AHEAD_CHUNKS), so bytes read
+    after these spans are what a cache holds while it decodes."""
+    if end - start <= 1:
+        return [(start, end)] if end > start else []
+    bounds = [*range(start, end - 1, chunk), end - 1, end]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
 def effective_bits_from_bytes(held_bytes: float, n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int) -> float:
     """Bits per cached key/value element implied by the bytes a cache holds for `n_tokens` tokens."""
     values = n_tokens * 2 * n_layers * n_kv_heads * head_dim

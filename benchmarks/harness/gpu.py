@@ -28,6 +28,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from benchmarks.harness.common import prompt_spans
+
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)
 DEFAULT_SPECS = (
     "fp16", "mlx-kv", "mlx-q:k8v8", "mlx-q:k4v4", "affine:k8v8:g64", "affine:k4v4:g64", "rotated:k4v4:g64",
@@ -79,8 +81,7 @@ def time_spec(spec: Any, source_keys: mx.array, source_values: mx.array, context
 
     caches = spec.factory_for_shape(N_LAYERS, HEAD_DIM)()
     fetched = [None] * N_LAYERS
-    for start in range(0, context, FILL_CHUNK):
-        end = min(start + FILL_CHUNK, context)
+    for start, end in prompt_spans(0, context, FILL_CHUNK):  # the bytes held then are what a decoding cache holds
         for index, cache in enumerate(caches):
             fetched[index] = cache.update_and_fetch(source_keys[..., start:end, :], source_values[..., start:end, :])
         mx.eval([getattr(cache, "state", cache) for cache in caches])

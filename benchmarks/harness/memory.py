@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from benchmarks.harness.common import effective_bits_from_bytes, log
+from benchmarks.harness.common import effective_bits_from_bytes, log, prompt_spans
 from benchmarks.harness.specs import CacheSpec
 
 SNAPSHOT_CHUNK = 512
@@ -64,9 +64,9 @@ def load_kv_snapshot(path: Path) -> tuple[list[mx.array], list[mx.array]]:
 
 def fill(caches: list[Any], keys: list[mx.array], values: list[mx.array], start: int, end: int,
          dtype: mx.Dtype, chunk: int = FILL_CHUNK) -> None:
-    """Feed tokens [start, end) of every layer's keys/values into its cache, `chunk` tokens at a time."""
-    for s in range(start, end, chunk):
-        e = min(s + chunk, end)
+    """Feed tokens [start, end) of every layer's keys/values into its cache, `chunk` tokens at a time and the last
+    token on its own (`prompt_spans`): the bytes read at `end` are what the cache holds while it decodes."""
+    for s, e in prompt_spans(start, end, chunk):
         for cache, k, v in zip(caches, keys, values, strict=True):
             cache.update_and_fetch(k[..., s:e, :].astype(dtype), v[..., s:e, :].astype(dtype))
         mx.eval([getattr(cache, "state", cache) for cache in caches])
