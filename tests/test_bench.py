@@ -74,6 +74,20 @@ def test_token_stats_against_the_reference_and_scoring_window() -> None:
         teacher_forced_token_stats(model, tokens, factories, "fp32")
 
 
+def test_token_stats_read_the_bytes_a_decoding_cache_holds() -> None:
+    """Fed in chunks of more than 256 tokens, a compressed store grows room for the next chunks; the bytes a
+    teacher-forced pass reports are read after that room is given back (as a first decode step would): affine:4
+    over 1,200 tokens (4 chunks of 300) holds exactly its formula at 1,280 token slots."""
+    from engine.kvcache import get_method
+
+    model = tiny_llama(head_dim=32, n_layers=2)
+    factories = {"fp16": parse_spec("fp16").factory(model),
+                 "affine:k4v4:g32": parse_spec("affine:k4v4:g32").factory(model)}
+    stats = teacher_forced_token_stats(model, _tokens(1201), factories, "fp16", chunk_tokens=300)
+    config = KVCacheConfig.parse("affine:k4v4:g32")
+    assert stats["affine:k4v4:g32"].held_bytes == 2 * get_method("affine").expected_nbytes(config, 32, 1280, 2)
+
+
 # ----- bits, bytes and statistics ----------------------------------------------------------------------------
 
 

@@ -73,6 +73,7 @@ def teacher_forced_quality(
         mx.eval(kl_sum)
     results = {}
     for name, builder in builders.items():
+        _give_back_room_ahead(caches[name])
         nll = nll_sum[name].item() / n_predicted
         shape = builder.shape
         assert shape is not None
@@ -89,6 +90,16 @@ def teacher_forced_quality(
             seconds=seconds[name],
         )
     return results
+
+
+def _give_back_room_ahead(caches: list[Any]) -> None:
+    """What a cache's first decode step does: give back the room its compressed store grew ahead for more prefill
+    chunks (base.PREFILL_AHEAD_CHUNKS), so the bytes read after a teacher-forced pass, which never decodes, are what
+    the cache holds while it decodes. Other caches (mlx-lm's) have no such room."""
+    for cache in caches:
+        release = getattr(cache, "_release_room_ahead", None)
+        if release is not None:
+            release()
 
 
 # ----- per-token statistics for any prompt cache (benchmarks) ------------------------------------------
@@ -166,6 +177,8 @@ def teacher_forced_token_stats(
             parts[name]["nll"].append(nll)
             parts[name]["kl"].append(kl)
             parts[name]["top1"].append(agrees)
+    for name in order:
+        _give_back_room_ahead(caches[name])
     return {
         name: TokenStats(
             name=name,
