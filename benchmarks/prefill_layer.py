@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     prepare_runtime()
     import mlx.core as mx
 
+    parts = tuple(part for part in args.parts.split(",") if part)
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}, not {args.parts!r}")
     shape = bench.SHAPES[args.shape]
     rows = []
     for spec in args.specs.split(","):
-        parts = tuple(part for part in args.parts.split(",") if part)
-        if not set(parts) <= set(PARTS):
-            parser.error(f"--parts takes {', '.join(PARTS)}, not {args.parts!r}")
         row = profile_layer(spec, shape, args.history, args.chunk, args.repeats, parts)
         print(json.dumps(row), flush=True)
         rows.append(row)

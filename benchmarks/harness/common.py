@@ -250,8 +250,8 @@ def prompt_spans(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
     tokens at a time, then the last token on its own. A compressed store grows room ahead for the next chunks while a
     prefill runs and gives it back at an update of one token (engine.kvcache.base.PREFILL_AHEAD_CHUNKS), so bytes read
     after these spans are what a cache holds while it decodes."""
-    if end - start <= 1:
-        return [(start, end)] if end > start else []
+    if end <= start:
+        return []
     bounds = [*range(start, end - 1, chunk), end - 1, end]
     return list(zip(bounds, bounds[1:], strict=False))
 

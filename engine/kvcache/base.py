@@ -331,6 +331,10 @@ class VeloxKVCache(_BaseCache):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.describe()}, layer={self.layer_index}, offset={self.offset})"
 
+    def _slots_for(self, tokens: int) -> int:
+        """Token slots a buffer grown to hold `tokens` tokens allocates: `tokens` rounded up to `step`."""
+        return math.ceil(tokens / self.step) * self.step
+
 
 def _grow_to(array: mx.array | None, used: int, capacity: int, like: mx.array) -> mx.array:
     """A buffer of `capacity` tokens on axis -2, keeping the first `used` tokens of `array`."""
@@ -674,14 +678,14 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a prefill chunk's after the first (a prompt
         prefilled in one call holds exactly its tokens)."""
         ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0
-        return math.ceil((needed + ahead) / self.step) * self.step
+        return self._slots_for(needed + ahead)
 
     def _release_room_ahead(self) -> None:
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
         tokens rounded up to `step` (at least `step`)."""
         if self._store is None:
             return
-        keep = max(self.step, math.ceil(self._n_compressed / self.step) * self.step)
+        keep = max(self.step, self._slots_for(self._n_compressed))
         if self.capacity > keep:
             self._store = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
 

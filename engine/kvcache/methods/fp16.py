@@ -12,7 +12,6 @@ caches (`bits` then exists, which is what routes mlx-lm to the hook).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -101,7 +100,7 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         needed = previous + keys.shape[-2]
         dtype = self._storage_dtype()
         if self._keys is None or needed > self._keys.shape[-2]:
-            capacity = math.ceil(needed / self.step) * self.step
+            capacity = self._slots_for(needed)
             self._keys = _grow_to(self._keys, previous, capacity, like=keys.astype(dtype))
             self._values = _grow_to(self._values, previous, capacity, like=values.astype(dtype))
         self._keys[..., previous:needed, :] = keys
