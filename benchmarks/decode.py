@@ -128,20 +128,22 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
 
 
 def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
-    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize or .encode, or of the caches'
-    engine.kvcache.base, e.g. PREFILL_AHEAD_CHUNKS) by name; returns their previous values."""
+    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize or .encode, of the caches'
+    engine.kvcache.base, e.g. PREFILL_AHEAD_CHUNKS, or of engine.kvcache.quant.fused, COMPILE_ENCODE) by name; returns
+    their previous values."""
     from engine.kvcache import base as cache_base
     from engine.kvcache.kernels import decode as decode_kernels
     from engine.kvcache.kernels import dequantize as dequantize_kernels
     from engine.kvcache.kernels import encode as encode_kernels
+    from engine.kvcache.quant import fused
 
     previous = {}
-    modules = (decode_kernels, dequantize_kernels, encode_kernels, cache_base)
+    modules = (decode_kernels, dequantize_kernels, encode_kernels, cache_base, fused)
     for name, value in constants.items():
         module = next((m for m in modules if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize, .encode and engine.kvcache.base have no "
-                             f"constant {name!r}")
+            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize, .encode, engine.kvcache.base and "
+                             f"engine.kvcache.quant.fused have no constant {name!r}")
         previous[name] = getattr(module, name)
         setattr(module, name, value)
     return previous
@@ -156,8 +158,13 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
 def spec_row(spec: str, context: int) -> dict[str, Any]:
     """A result row's start: the cache spec (the one spec syntax, readable by KVCacheConfig.parse) and, for a
     kernel variant, its constants."""
-    text, constants = split_spec(spec)
-    return {"spec": text, "context": context} | ({"kernel_constants": constants} if constants else {})
+    return {"spec": split_spec(spec)[0], "context": context} | constants_entry(spec)
+
+
+def constants_entry(spec: str) -> dict[str, Any]:
+    """A row's `kernel_constants` entry for a spec's `#NAME=VALUE` parts (empty without any)."""
+    constants = split_spec(spec)[1]
+    return {"kernel_constants": constants} if constants else {}
 
 
 @contextlib.contextmanager

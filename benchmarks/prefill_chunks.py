@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     mx.eval(prompt)
     rows = []
     for spec in args.specs.split(","):
-        row = prefill_chunks(model, spec, prompt, shape, args.chunk)
+        with bench.spec_constants(spec) as text:  # SPEC#NAME=VALUE: an engine constant set for this row
+            row = prefill_chunks(model, text, prompt, shape, args.chunk) | bench.constants_entry(spec)
         print(json.dumps(row), flush=True)
         rows.append(row)
     args.out.write_text(json.dumps({"schema": "velox-bench/1", "kind": "prefill-chunks", "device":

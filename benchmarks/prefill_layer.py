@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = bench.SHAPES[args.shape]
     rows = []
     for spec in args.specs.split(","):
-        row = profile_layer(spec, shape, args.history, args.chunk, args.repeats, parts)
+        with bench.spec_constants(spec) as text:  # SPEC#NAME=VALUE: an engine constant set for this row
+            row = profile_layer(text, shape, args.history, args.chunk, args.repeats, parts) | bench.constants_entry(spec)
         print(json.dumps(row), flush=True)
         rows.append(row)
         args.out.write_text(json.dumps({"schema": "velox-bench/1", "kind": "prefill-layer", "device":

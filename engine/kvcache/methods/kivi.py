@@ -152,6 +152,7 @@ from engine.kvcache.methods.affine import (
     with_symmetric_biases,
 )
 from engine.kvcache.quant.channel_widths import WidthClasses, width_choices
+from engine.kvcache.quant.fused import compiled_on_gpu
 from engine.kvcache.quant.grids import GRID_NAMES, check_grid, grid_dequantize, grid_quantize, grid_table
 from engine.kvcache.quant.outliers import (
     OUTLIER_INDEX_BITS,
@@ -250,6 +251,58 @@ def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> 
             best[name] = mx.where(better[..., None], by_group, kept).reshape(part.shape)
     return best
 
+
+
+# The quantizers by name: mx.compile takes strings, not functions, as constants.
+_QUANTIZERS = {"affine": affine_quantize, "clipped": clipped_quantize, "minmax": minmax_quantize,
+               "symmetric": symmetric_quantize}
+
+
+def _key_block_entries(keys_transposed: mx.array, block: int, bits: int, quantizer: str, grid: str | None,
+                       outliers: int) -> dict[str, mx.array]:
+    """Kᵀ [.., D, T] of one width quantized per channel over blocks of `block` tokens (with each block's outlier
+    aside where `outliers`), as the store's key entries."""
+    if outliers:
+        keys_transposed, found, index = split_block_outliers(keys_transposed, block)
+    store = (_QUANTIZERS[quantizer](keys_transposed, "key", block, bits) if grid is None
+             else grid_quantize(keys_transposed, "key", block, bits, grid))
+    if outliers:
+        # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
+        # token's score on top of the codes it reads anyway.
+        decoded = affine_dequantize(store, "key", block, bits, float32_scales=True)
+        store["key_outlier_residuals"] = block_residuals(decoded, found, index, block)
+        store["key_outlier_index"] = index
+    return store
+
+
+@compiled_on_gpu
+def quantize_key_blocks(keys_transposed: mx.array, key_order: mx.array | None,
+                        width_rows: tuple[tuple[int, int, int], ...] | None, block: int, bits: int, quantizer: str,
+                        grid: str | None, outliers: int) -> dict[str, mx.array]:
+    """New keys Kᵀ [.., D, T] as the store's key entries (`_key_block_entries`); with key widths (`width_rows`: each
+    width's (width, first row, end row) in the storage order `key_order` [n_kv, D]) each width's channels at that
+    width, in entries named for it (key_codes_w3, ...). Compiled on a GPU (quant/fused.py): ~20 small operations a
+    width with outliers."""
+    if width_rows is None:
+        return _key_block_entries(keys_transposed, block, bits, quantizer, grid, outliers)
+    assert key_order is not None
+    ordered = mx.take_along_axis(keys_transposed, key_order[None, :, :, None], axis=-2)
+    return {
+        f"{name}_w{width}": array
+        for width, start, end in width_rows
+        for name, array in _key_block_entries(ordered[..., start:end, :], block, width, quantizer, None,
+                                              outliers).items()
+    }
+
+
+@compiled_on_gpu
+def quantize_value_groups(values: mx.array, group_size: int, bits: int, quantizer: str,
+                          grid: str | None) -> dict[str, mx.array]:
+    """New values [.., T, D] quantized per token in groups of `group_size` channels, as the store's value entries
+    (compiled on a GPU: the symmetric form and the clip search are chains of small operations)."""
+    if grid is None:
+        return _QUANTIZERS[quantizer](values, "value", group_size, bits)
+    return grid_quantize(values, "value", group_size, bits, grid)
 
 class PlainHadamard:
     """H/√d on the last axis, without random signs: orthonormal and, for d = 2^k or 12·2^k, symmetric, so it is
@@ -688,55 +741,20 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     # ----- encode / decode --------------------------------------------------------------------------------
 
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        group_size = self.config.group_size
-        quantize = clipped_quantize if self.config.options.get("clip_search", False) else affine_quantize
-        value_quantize = symmetric_quantize if self.config.options.get("symmetric_values", False) else quantize
-        if self.config.options.get("minmax_keys", False):
-            quantize = minmax_quantize
-        key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
+        options = self.config.options
+        clipped = "clipped" if options.get("clip_search", False) else "affine"
+        key_quantizer = "minmax" if options.get("minmax_keys", False) else clipped
+        value_quantizer = "symmetric" if options.get("symmetric_values", False) else clipped
         if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
-        keys_transposed = keys.swapaxes(-1, -2)
         rows = self._width_rows
-        if rows is None:
-            key_store = self._encode_keys(keys_transposed, self.config.key_bits, quantize, key_grid)
-        else:  # key_widths: each width's channels (in storage order) quantized at that width
-            assert self._key_order is not None
-            ordered = mx.take_along_axis(keys_transposed, self._key_order[None, :, :, None], axis=-2)
-            key_store = {
-                f"{name}_w{width}": array
-                for width, start, end in rows
-                for name, array in self._encode_keys(ordered[..., start:end, :], width, quantize, None).items()
-            }
-        return {
-            **(
-                value_quantize(values, "value", group_size, self.config.value_bits)
-                if value_grid is None
-                else grid_quantize(values, "value", group_size, self.config.value_bits, value_grid)
-            ),
-            **key_store,
-        }
-
-    def _encode_keys(self, keys_transposed: mx.array, bits: int, quantize: Any, grid: str | None) -> dict[str, mx.array]:
-        """Kᵀ [.., D, T] quantized per channel over key blocks at `bits` (with each block's outlier aside, option
-        key_outliers), as the store's key entries."""
-        found = None
-        if self.config.options.get("key_outliers", 0):
-            keys_transposed, outliers, index = split_block_outliers(keys_transposed, self.token_block)
-            found = (outliers, index)
-        key_store = (
-            quantize(keys_transposed, "key", self.token_block, bits)
-            if grid is None
-            else grid_quantize(keys_transposed, "key", self.token_block, bits, grid)
-        )
-        if found is not None:
-            # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
-            # token's score on top of the codes it reads anyway.
-            decoded = affine_dequantize(key_store, "key", self.token_block, bits, float32_scales=True)
-            key_store["key_outlier_residuals"] = block_residuals(decoded, found[0], found[1], self.token_block)
-            key_store["key_outlier_index"] = found[1]
-        return key_store
+        key_store = quantize_key_blocks(keys.swapaxes(-1, -2), self._key_order if rows else None, rows,
+                                        self.token_block, self.config.key_bits, key_quantizer,
+                                        self.grid_of(self.config, "key"), int(options.get("key_outliers", 0)))
+        value_store = quantize_value_groups(values, self.config.group_size, self.config.value_bits, value_quantizer,
+                                            self.grid_of(self.config, "value"))
+        return {**value_store, **key_store}
 
     def _plain_keys(self, store: dict[str, mx.array], *, float32_scales: bool) -> mx.array:
         """Decoded Kᵀ [.., D, T] of affine keys (no grid), outliers restored; key_widths: every width's channels

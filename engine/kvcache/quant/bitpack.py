@@ -44,6 +44,12 @@ class _Layout:
         # For unpacking: the high part of a straddling code comes from the next word, shifted up.
         self.next_word_of_code = np.minimum(self.word_of_code + 1, self.words_per_group - 1)
         self.high_shift_of_code = np.where(self.straddles, (_WORD_BITS - self.shift_of_code) % _WORD_BITS, 0)
+        # For packing, per word w and code i of a group: the code's low bits land in w shifted up by its offset
+        # (where it starts in w), its high bits shifted down (where it straddles into w from w - 1); 0 elsewhere.
+        words = np.arange(self.words_per_group)[:, None]
+        self.starts_in = (self.word_of_code[None, :] == words).astype(np.uint32)
+        self.spills_into = ((self.word_of_code[None, :] == words - 1) & self.straddles[None, :]).astype(np.uint32)
+        self.spill_shift = np.where(self.straddles, _WORD_BITS - self.shift_of_code, 0).astype(np.uint32)
 
 
 @functools.cache
@@ -81,20 +87,14 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     word_count = packed_length(d, bits)
     leading = codes.shape[:-1]
     grouped = (codes.astype(mx.uint32) & layout.mask).reshape(
-        *leading, d // layout.codes_per_group, layout.codes_per_group
+        *leading, d // layout.codes_per_group, 1, layout.codes_per_group
     )
-    low_parts = grouped << mx.array(layout.shift_of_code.astype(np.uint32))
-    words = []
-    for word in range(layout.words_per_group):
-        # Codes starting in this word sit at distinct bit positions, so summing them is an OR.
-        starting_here = np.flatnonzero(layout.word_of_code == word)
-        value = mx.sum(low_parts[..., int(starting_here[0]) : int(starting_here[-1]) + 1], axis=-1)
-        spilling_in = np.flatnonzero((layout.word_of_code == word - 1) & layout.straddles)
-        for code in spilling_in:  # at most one code straddles into a given word
-            high_shift = _WORD_BITS - int(layout.shift_of_code[code])
-            value = value + (grouped[..., int(code)] >> high_shift)
-        words.append(value)
-    packed = mx.stack(words, axis=-1) if len(words) > 1 else words[0][..., None]
+    # Every word of a group at once: the codes' parts in it (disjoint bits, so their sum is their OR), one product
+    # and one sum (a GPU runs a handful of launches, not one slice-sum per word and an add per straddling code).
+    low = (grouped << mx.array(layout.shift_of_code.astype(np.uint32))) * mx.array(layout.starts_in)
+    if layout.straddles.any():
+        low = low + (grouped >> mx.array(layout.spill_shift)) * mx.array(layout.spills_into)
+    packed = mx.sum(low, axis=-1)
     return packed.reshape(*leading, word_count)
 
 
