@@ -198,6 +198,9 @@ ROPE_PARAMETERS = tuple(f"rope_{field.name}" for field in fields(RopeParameters)
 # down to 0.85 lost +21.2 % perplexity, to 0.7 +13.8 %, to 0.6 +14.9 %, to 0.5 +16.6 % (held out, 2k windows, keys
 # before RoPE: benchmarks/results/near_lossless_2bit_cliprange.json).
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# Entries (candidates × the array's) quantized in one pass of the clip search: bounds its transient (a float32
+# decoded copy per candidate) to 64 MB a pass; a 2,048-token chunk of 8 kv heads of 128 takes its 7 candidates at once.
+CLIP_PASS_ENTRIES = 1 << 24
 
 
 # Lloyd steps of the 1-bit candidate (`_two_means`): the levels settle within a few.
@@ -221,7 +224,9 @@ def _two_means(groups: mx.array, low: mx.array, high: mx.array) -> tuple[mx.arra
 
 def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> dict[str, mx.array]:
     """`affine_quantize` with each group clipped to the range (of CLIP_RATIOS, and at 1 bit its two means) that
-    quantizes it with the least squared error; the same store entries and layout."""
+    quantizes it with the least squared error (the first such range in that order); the same store entries and
+    layout. The candidate ranges are quantized together, stacked on a new leading axis, in passes of at most
+    CLIP_PASS_ENTRIES entries: on a GPU a pass is a few launches whatever its size."""
     shape = array.shape
     n_groups = shape[-1] // group_size
     exact = array.astype(mx.float32)
@@ -231,26 +236,29 @@ def clipped_quantize(array: mx.array, role: str, group_size: int, bits: int) -> 
     ranges = [(middle - ratio * half, middle + ratio * half) for ratio in CLIP_RATIOS]
     if bits == ONE_BIT:
         ranges.append(_two_means(groups, low, high))
+    per_pass = max(1, CLIP_PASS_ENTRIES // max(array.size, 1))
     best: dict[str, mx.array] = {}
     best_error: mx.array | None = None
-    for index, (bottom, top) in enumerate(ranges):
-        # 1.0 quantizes the array itself (clip's midpoint ± half-range can move min and max by a rounding).
-        clipped = array if index == 0 else mx.clip(groups, bottom, top).reshape(shape).astype(array.dtype)
-        found = affine_quantize(clipped, role, group_size, bits)
+    for first in range(0, len(ranges), per_pass):
+        bottoms, tops = (mx.stack([pair[side] for pair in ranges[first : first + per_pass]]) for side in (0, 1))
+        candidates = mx.clip(groups[None], bottoms, tops).reshape(-1, *shape).astype(array.dtype)
+        if first == 0:  # 1.0 quantizes the array itself (clip's midpoint ± half-range can move min and max by a rounding)
+            candidates = mx.concatenate([array[None], candidates[1:]])
+        found = affine_quantize(candidates, role, group_size, bits)
         decoded = affine_dequantize(found, role, group_size, bits, float32_scales=True)
-        error = mx.square(decoded - exact).reshape(groups.shape).sum(axis=-1)  # [..., n_groups]
+        errors = mx.square(decoded - exact).reshape(-1, *groups.shape).sum(axis=-1)  # [candidates, ..., n_groups]
+        choice = mx.argmin(errors, axis=0)[None]  # the first of equal errors
+        error = mx.take_along_axis(errors, choice, axis=0)[0]
+        # scales/biases: one per group; codes: group_size·bits/32 words per group.
+        chosen = {name: mx.take_along_axis(part.reshape(*part.shape[:-1], n_groups, -1), choice[..., None], axis=0)[0]
+                  for name, part in found.items()}
         if best_error is None:
-            best, best_error = found, error
+            best, best_error = chosen, error
             continue
         better = error < best_error
         best_error = mx.where(better, error, best_error)
-        for name, part in found.items():
-            # scales/biases: one per group; codes: group_size·bits/32 words per group.
-            by_group = part.reshape(*shape[:-1], n_groups, -1)
-            kept = best[name].reshape(by_group.shape)
-            best[name] = mx.where(better[..., None], by_group, kept).reshape(part.shape)
-    return best
-
+        best = {name: mx.where(better[..., None], part, best[name]) for name, part in chosen.items()}
+    return {name: part.reshape(*shape[:-1], -1) for name, part in best.items()}
 
 
 # The quantizers by name: mx.compile takes strings, not functions, as constants.
@@ -259,19 +267,17 @@ _QUANTIZERS = {"affine": affine_quantize, "clipped": clipped_quantize, "minmax":
 
 
 def _key_block_entries(keys_transposed: mx.array, block: int, bits: int, quantizer: str, grid: str | None,
-                       outliers: int) -> dict[str, mx.array]:
-    """Kᵀ [.., D, T] of one width quantized per channel over blocks of `block` tokens (with each block's outlier
-    aside where `outliers`), as the store's key entries."""
-    if outliers:
-        keys_transposed, found, index = split_block_outliers(keys_transposed, block)
+                       outliers: tuple[mx.array, mx.array] | None) -> dict[str, mx.array]:
+    """Kᵀ [.., D, T] of one width quantized per channel over blocks of `block` tokens, as the store's key entries;
+    `outliers`: each block's outlier and its index, already taken out of Kᵀ (`split_block_outliers`), or None."""
     store = (_QUANTIZERS[quantizer](keys_transposed, "key", block, bits) if grid is None
              else grid_quantize(keys_transposed, "key", block, bits, grid))
-    if outliers:
+    if outliers is not None:
         # Stored as residuals against the decoded block (quant/outliers.py): a reader adds q_c·residual to one
         # token's score on top of the codes it reads anyway.
         decoded = affine_dequantize(store, "key", block, bits, float32_scales=True)
-        store["key_outlier_residuals"] = block_residuals(decoded, found, index, block)
-        store["key_outlier_index"] = index
+        store["key_outlier_residuals"] = block_residuals(decoded, *outliers, block)
+        store["key_outlier_index"] = outliers[1]
     return store
 
 
@@ -279,19 +285,25 @@ def _key_block_entries(keys_transposed: mx.array, block: int, bits: int, quantiz
 def quantize_key_blocks(keys_transposed: mx.array, key_order: mx.array | None,
                         width_rows: tuple[tuple[int, int, int], ...] | None, block: int, bits: int, quantizer: str,
                         grid: str | None, outliers: int) -> dict[str, mx.array]:
-    """New keys Kᵀ [.., D, T] as the store's key entries (`_key_block_entries`); with key widths (`width_rows`: each
-    width's (width, first row, end row) in the storage order `key_order` [n_kv, D]) each width's channels at that
-    width, in entries named for it (key_codes_w3, ...). Compiled on a GPU (quant/fused.py): ~20 small operations a
-    width with outliers."""
+    """New keys Kᵀ [.., D, T] as the store's key entries (`_key_block_entries`), with each block's outlier aside where
+    `outliers`; with key widths (`width_rows`: each width's (width, first row, end row) in the storage order
+    `key_order` [n_kv, D]) each width's channels at that width, in entries named for it (key_codes_w3, ...). Compiled
+    on a GPU (quant/fused.py): ~20 small operations a width with outliers."""
+    if width_rows is not None:
+        assert key_order is not None
+        keys_transposed = mx.take_along_axis(keys_transposed, key_order[None, :, :, None], axis=-2)
+    split: tuple[mx.array, mx.array] | None = None
+    if outliers:  # per channel and block, so one split serves every width
+        keys_transposed, block_outliers, index = split_block_outliers(keys_transposed, block)
+        split = (block_outliers, index)
     if width_rows is None:
-        return _key_block_entries(keys_transposed, block, bits, quantizer, grid, outliers)
-    assert key_order is not None
-    ordered = mx.take_along_axis(keys_transposed, key_order[None, :, :, None], axis=-2)
+        return _key_block_entries(keys_transposed, block, bits, quantizer, grid, split)
     return {
         f"{name}_w{width}": array
         for width, start, end in width_rows
-        for name, array in _key_block_entries(ordered[..., start:end, :], block, width, quantizer, None,
-                                              outliers).items()
+        for name, array in _key_block_entries(
+            keys_transposed[..., start:end, :], block, width, quantizer, None,
+            None if split is None else (split[0][..., start:end, :], split[1][..., start:end, :])).items()
     }
 
 
