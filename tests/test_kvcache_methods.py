@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import stream_generate
 
@@ -570,6 +571,40 @@ def test_kivi_plain_value_rotation_holds_nothing_and_keeps_the_bits_of_kivi() ->
     assert relative_error(output, reference_attention(queries, dense_keys, dense_values, 0.125, "causal")) < 2e-3
     with pytest.raises(ConfigError, match="2\\^k"):
         KVCacheConfig("kivi", 4, group_size=32, options={"rotate_values": "plain"}).validate(160)  # 20·2^3
+
+
+@pytest.mark.parametrize("per_pass", [1, 3, 7, 8])
+def test_kivi_clip_search_takes_each_groups_first_least_error_range_in_any_pass_size(
+        per_pass: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clip search quantizes its candidate ranges in passes (CLIP_PASS_ENTRIES); whatever the passes, each group
+    keeps the codes of the first range in CLIP_RATIOS order (1 bit: then the two means) with the least error, as
+    quantizing every clipped copy on its own finds it."""
+    from engine.kvcache.methods import kivi
+    from engine.kvcache.methods.affine import affine_dequantize, affine_quantize
+
+    heavy = (mx.random.normal((2, 3, 8, 256), key=mx.random.key(5)) ** 3).astype(mx.bfloat16)
+    monkeypatch.setattr(kivi, "CLIP_PASS_ENTRIES", per_pass * heavy.size)
+    for bits in (1, 2, 3):
+        got = kivi.clipped_quantize(heavy, "k", 64, bits)
+        exact = heavy.astype(mx.float32).reshape(2, 3, 8, 4, 64)
+        low, high = exact.min(-1, keepdims=True), exact.max(-1, keepdims=True)
+        ranges = [((low + high) / 2 - r * (high - low) / 2, (low + high) / 2 + r * (high - low) / 2)
+                  for r in kivi.CLIP_RATIOS]
+        if bits == 1:
+            ranges.append(kivi._two_means(exact, low, high))
+        one_by_one = [affine_quantize(heavy if i == 0 else mx.clip(exact, bottom, top).reshape(heavy.shape)
+                                      .astype(heavy.dtype), "k", 64, bits) for i, (bottom, top) in enumerate(ranges)]
+        errors = mx.stack([mx.square(affine_dequantize(found, "k", 64, bits, float32_scales=True).reshape(exact.shape)
+                                     - exact).sum(-1) for found in one_by_one])
+        first_best = np.argmin(np.array(errors), axis=0)  # numpy: the first of equal minima
+        # (at 1 bit the two means win every group of this data)
+        assert len(set(first_best.ravel().tolist())) > (1 if bits > 1 else 0), "several ranges should win"
+        for name in got:
+            by_group = np.stack([np.array(found[name].astype(mx.float32) if found[name].dtype != mx.uint32
+                                          else found[name]).reshape(2, 3, 8, 4, -1) for found in one_by_one])
+            expected = np.take_along_axis(by_group, first_best[None, ..., None], axis=0)[0]
+            actual = np.array(got[name].astype(mx.float32) if got[name].dtype != mx.uint32 else got[name])
+            np.testing.assert_array_equal(actual.reshape(expected.shape), expected, err_msg=f"{bits} bits {name}")
 
 
 def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
