@@ -1046,6 +1046,7 @@ def test_velox_bench_decode_times_a_chunked_prefill(tmp_path: Path) -> None:
     assert kivi["kernel_constants"] == {"PREFILL_AHEAD_CHUNKS": 0} and "kernel_constants" not in fp16
     for row in (fp16, kivi):
         assert row["context"] == 300 and row["prefill_tok_s"] == pytest.approx(300 / row["prefill_s"])
+        assert row["first_prefill_s"] > 0
         assert row["decode_tok_s_after"] > 0
 
 
@@ -1134,10 +1135,16 @@ def test_prefill_layer_times_each_part_of_a_chunk_in_one_layer(tmp_path: Path) -
     assert all(kivi[f"{part}_ms"] > 0 for part in ("encode", "update", "history", "attend"))
     assert kivi["spec"].endswith("key_widths=uniform") and kivi["history"] == 384 and kivi["chunk"] == 256
     assert fp16["nbytes"] == 2 * 2 * 64 * 2 * 768  # K and V, 2 kv heads of 64, bf16, 640 tokens held in 768 slots
+    from engine.kvcache.quant import fused
+
     assert prefill_layer.main(["--shape", "tiny", "--history", "384", "--chunk", "256", "--repeats", "1",
-                               "--specs", "kivi:k4v4:g64", "--parts", "encode", "--out", str(out)]) == 0
+                               "--specs", "kivi:k4v4:g64#COMPILE_ENCODE=false", "--parts", "encode",
+                               "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert set(row) == {"spec", "history", "chunk", "encode_ms", "nbytes"}  # --parts: only the parts asked for
+    # --parts: only the parts asked for; SPEC#NAME=VALUE: the constant recorded, and set back after the row
+    assert set(row) == {"spec", "history", "chunk", "encode_ms", "nbytes", "kernel_constants"}
+    assert row["spec"] == "kivi:k4v4:g64" and row["kernel_constants"] == {"COMPILE_ENCODE": False}
+    assert fused.COMPILE_ENCODE is True
 
 
 def _decode_record(rows: list[dict]) -> dict:
