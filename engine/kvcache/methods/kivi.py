@@ -198,8 +198,9 @@ ROPE_PARAMETERS = tuple(f"rope_{field.name}" for field in fields(RopeParameters)
 # down to 0.85 lost +21.2 % perplexity, to 0.7 +13.8 %, to 0.6 +14.9 %, to 0.5 +16.6 % (held out, 2k windows, keys
 # before RoPE: benchmarks/results/near_lossless_2bit_cliprange.json).
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
-# Entries (candidates × the array's) quantized in one pass of the clip search: bounds its transient (a float32
-# decoded copy per candidate) to 64 MB a pass; a 2,048-token chunk of 8 kv heads of 128 takes its 7 candidates at once.
+# Entries (candidates × the array's) quantized in one pass of the clip search. It bounds the pass's transient: the
+# candidates in the array's dtype and their decoded float32 copy, ~6 bytes an entry (~100 MB at 2^24). A 2,048-token
+# chunk of 8 kv heads of 128 takes its 7 candidates in one pass.
 CLIP_PASS_ENTRIES = 1 << 24
 
 
@@ -288,7 +289,8 @@ def quantize_key_blocks(keys_transposed: mx.array, key_order: mx.array | None,
     """New keys Kᵀ [.., D, T] as the store's key entries (`_key_block_entries`), with each block's outlier aside where
     `outliers`; with key widths (`width_rows`: each width's (width, first row, end row) in the storage order
     `key_order` [n_kv, D]) each width's channels at that width, in entries named for it (key_codes_w3, ...). Compiled
-    on a GPU (quant/fused.py): ~20 small operations a width with outliers."""
+    on a GPU (quant/fused.py): the outlier split's reductions, the residuals and the clip search are chains of small
+    operations."""
     if width_rows is not None:
         assert key_order is not None
         keys_transposed = mx.take_along_axis(keys_transposed, key_order[None, :, :, None], axis=-2)
@@ -315,6 +317,7 @@ def quantize_value_groups(values: mx.array, group_size: int, bits: int, quantize
     if grid is None:
         return _QUANTIZERS[quantizer](values, "value", group_size, bits)
     return grid_quantize(values, "value", group_size, bits, grid)
+
 
 class PlainHadamard:
     """H/√d on the last axis, without random signs: orthonormal and, for d = 2^k or 12·2^k, symmetric, so it is
@@ -759,8 +762,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         value_quantizer = "symmetric" if options.get("symmetric_values", False) else clipped
         if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
-        # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         rows = self._width_rows
+        # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         key_store = quantize_key_blocks(keys.swapaxes(-1, -2), self._key_order if rows else None, rows,
                                         self.token_block, self.config.key_bits, key_quantizer,
                                         self.grid_of(self.config, "key"), int(options.get("key_outliers", 0)))

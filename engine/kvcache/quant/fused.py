@@ -11,7 +11,9 @@ Only on a GPU: on the CPU `mx.compile` needs a C++ compiler at run time (`engine
 for one), there the launch count costs little, and the CPU path is the reference every test reads. Non-array
 arguments (a role's name, bits, group size) are compile-time constants: a new value traces the function again, as
 does a new input shape (a prompt's last, shorter chunk). The first call of each form on a process pays the trace and
-MLX's compile of its fused kernels (once; later chunks and prompts reuse them).
+MLX's compile of its fused kernels (once; later chunks and prompts reuse them). mlx-lm compiles its own activations
+the same way; what a fresh process's first prompt pays for these has not been measured yet, on CUDA (NVRTC) or on
+Metal (BENCHMARKS.md, round 17).
 """
 
 from __future__ import annotations
