@@ -34,6 +34,7 @@ from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.kernels.encode import codebook_encode
+from engine.kvcache.methods._sketch import SketchMixin
 from engine.kvcache.methods.affine import (
     AFFINE_GROUP_SIZES,
     SCALE_BITS,
@@ -45,7 +46,6 @@ from engine.kvcache.methods.affine import (
 from engine.kvcache.methods.turboquant import DEQUANTIZE_CHUNK_TOKENS, NORM_BITS
 from engine.kvcache.quant.bitpack import MLX_AFFINE_BITS
 from engine.kvcache.quant.sketch import (
-    gaussian_sketch,
     signs_as_pm_one,
     sketch_reconstruction,
     sketch_signs,
@@ -53,12 +53,10 @@ from engine.kvcache.quant.sketch import (
 from engine.kvcache.registry import register_method
 
 VALUE_PARTNERS = ("affine",)
-# Sketch seeds are offset so they never coincide with a rotation seeded `seed + layer_index`.
-SKETCH_SEED_OFFSET = 1_000_003
 
 
 @register_method("qjl")
-class VeloxQJLKVCache(SegmentedKVCache):
+class VeloxQJLKVCache(SketchMixin, SegmentedKVCache):
     # Sketch bits per key coordinate; values take MLX's affine bits (1-bit values included).
     supported_bits: ClassVar[tuple[int, ...]] = MLX_AFFINE_BITS
     default_bits: ClassVar[int] = 4
@@ -70,6 +68,8 @@ class VeloxQJLKVCache(SegmentedKVCache):
         "with the unbiased sign estimator; values by the affine partner (quantized_matmul); a fused decode kernel "
         "on a GPU."
     )
+
+    sketch_seed_offset: ClassVar[int] = 1_000_003
 
     @classmethod
     def sketch_rows(cls, config: KVCacheConfig, head_dim: int) -> int:
@@ -95,28 +95,6 @@ class VeloxQJLKVCache(SegmentedKVCache):
         key_bits = cls.sketch_rows(config, head_dim) + NORM_BITS
         value_bits = head_dim * config.value_bits + head_dim // config.group_size * 2 * SCALE_BITS
         return float(key_bits + value_bits)
-
-    @classmethod
-    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
-        return cls.sketch_rows(config, head_dim) * head_dim * 2  # the float16 sketch
-
-    @classmethod
-    def layer_sketch(cls, config: KVCacheConfig, head_dim: int, layer_index: int) -> mx.array:
-        seed = config.seed + layer_index + SKETCH_SEED_OFFSET
-        return gaussian_sketch(cls.sketch_rows(config, head_dim), head_dim, seed)
-
-    def _reset_storage(self) -> None:
-        super()._reset_storage()
-        self._sketch: mx.array | None = None
-
-    def _setup(
-        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
-    ) -> None:
-        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
-        self._sketch = self.layer_sketch(self.config, k_head_dim, self.layer_index)
-
-    def _constant_arrays(self) -> list[mx.array]:
-        return [] if self._sketch is None else [self._sketch]
 
     # ----- encode / decode --------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.kernels.encode import codebook_encode
+from engine.kvcache.methods._sketch import SketchMixin
 from engine.kvcache.methods.turboquant import (
     NORM_BITS,
     Codebook,
@@ -38,17 +39,14 @@ from engine.kvcache.methods.turboquant import (
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
 from engine.kvcache.quant.sketch import (
-    gaussian_sketch,
     sketch_reconstruction,
     sketch_signs,
 )
 from engine.kvcache.registry import register_method
 
-SKETCH_SEED_OFFSET = 2_000_003  # sketches never share a seed with the layer's rotation
-
 
 @register_method("turboquant_prod")
-class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
+class VeloxTurboQuantProdKVCache(SketchMixin, RotatedCodebookKVCache):
     supported_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
     default_bits: ClassVar[int] = 4
     description: ClassVar[str] = (
@@ -56,6 +54,12 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
         "(unbiased inner products), values as b-bit TurboQuant-MSE; a fused decode kernel on a GPU, dequantized "
         "chunk by chunk elsewhere."
     )
+
+    sketch_seed_offset: ClassVar[int] = 2_000_003
+
+    @classmethod
+    def sketch_rows(cls, config: KVCacheConfig, head_dim: int) -> int:
+        return head_dim  # the residual's sketch: m = d rows
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:
@@ -78,24 +82,6 @@ class VeloxTurboQuantProdKVCache(RotatedCodebookKVCache):
         key_bits = head_dim * config.key_bits + 2 * NORM_BITS  # (b-1)·d codes + d signs, norm, ‖r‖
         value_bits = head_dim * config.value_bits + NORM_BITS
         return float(key_bits + value_bits)
-
-    @classmethod
-    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
-        return super().constant_bytes(config, head_dim) + head_dim * head_dim * 2  # the float16 sketch
-
-    def _reset_storage(self) -> None:
-        super()._reset_storage()
-        self._sketch: mx.array | None = None
-
-    def _setup(
-        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
-    ) -> None:
-        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)
-        seed = self.config.seed + self.layer_index + SKETCH_SEED_OFFSET
-        self._sketch = gaussian_sketch(k_head_dim, k_head_dim, seed)
-
-    def _constant_arrays(self) -> list[mx.array]:
-        return super()._constant_arrays() + ([] if self._sketch is None else [self._sketch])
 
     def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:
         if role == "value":
