@@ -7,7 +7,7 @@ index and the method's own offset at set-up, and holds it as a constant array (i
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -25,6 +25,8 @@ class SketchMixin:
     `seed + layer`."""
 
     sketch_seed_offset: ClassVar[int]
+    config: KVCacheConfig
+    layer_index: int
 
     @classmethod
     def sketch_rows(cls, config: KVCacheConfig, head_dim: int) -> int:
@@ -46,8 +48,7 @@ class SketchMixin:
 
     def _setup(self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype) -> None:
         super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)  # type: ignore[misc]
-        owner: Any = self
-        self._sketch = self.layer_sketch(owner.config, k_head_dim, owner.layer_index)
+        self._sketch = self.layer_sketch(self.config, k_head_dim, self.layer_index)
 
     def _constant_arrays(self) -> list[mx.array]:
         held = super()._constant_arrays()  # type: ignore[misc]
