@@ -4,7 +4,9 @@ that compile what they meet:
 
 * `encode`: the chunk's encode alone (`_encode`: quantize, key widths, outliers; compressed caches only),
 * `update`: the chunk's whole update (`update_and_fetch`: encode and append; trimmed back after each run),
-* `history`: the decode of the compressed history a chunk attends over (`_dense_history`; compressed caches only),
+* `history`: the decode of the compressed history a chunk attends over (`_dense_history`: the decode with the sink
+  tokens and the window joined to it; compressed caches only),
+* `decoded`: that decode alone (`_decoded_history`: on a GPU, the history-decode kernel's launch),
 * `attend`: the chunk's attention through mlx-lm's SDPA call (the history decoded inside, as in the model).
 
 What an option costs shows by running specs that differ in it (key_widths, key_outliers, symmetric_values, rope).
@@ -45,7 +47,7 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-PARTS = ("encode", "update", "history", "attend")
+PARTS = ("encode", "update", "history", "decoded", "attend")
 
 
 def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, repeats: int,
@@ -81,9 +83,13 @@ def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, re
     def history_decode() -> None:
         mx.eval(cache._dense_history(cache._compressed_view(), dtype))
 
+    def decoded() -> None:
+        mx.eval(*cache._decoded_history(cache._compressed_view(), dtype))
+
     # A 16-bit cache has no encode or history decode: its update and attention only.
     compressed = hasattr(cache, "_encode")
-    parts = {"encode": encode, "update": update, "history": history_decode} if compressed else {"update": update}
+    parts = ({"encode": encode, "update": update, "history": history_decode, "decoded": decoded} if compressed
+             else {"update": update})
     parts = {name: run for name, run in parts.items() if name in parts_wanted}
     for _ in range(2):
         for run in parts.values():

@@ -858,10 +858,17 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if self.n_window:
             keys.append(self._window_keys.astype(dtype))
             values.append(self._window_values.astype(dtype))
-        n_duplicated = self.n_duplicated
-        if n_duplicated:  # the sinks' copies in the stream: their 16-bit originals come first instead
-            keys = [mx.concatenate(keys, axis=-2)[..., n_duplicated:, :]]
-            values = [mx.concatenate(values, axis=-2)[..., n_duplicated:, :]]
+        # The sinks' copies lead the stream: their 16-bit originals come first instead. Dropped as views of the
+        # stream's parts, so the one concatenation below is the only copy (concatenating the stream first and then
+        # the sinks copied a history-sized array twice per role).
+        drop = self.n_duplicated
+        while drop and keys:
+            if drop >= keys[0].shape[-2]:
+                drop -= keys[0].shape[-2]
+                del keys[0], values[0]
+            else:
+                keys[0], values[0] = keys[0][..., drop:, :], values[0][..., drop:, :]
+                drop = 0
         if self.n_sink:
             keys.insert(0, self._sink_keys.astype(dtype))
             values.insert(0, self._sink_values.astype(dtype))

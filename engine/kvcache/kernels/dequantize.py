@@ -154,6 +154,91 @@ _KIVI_BODY = """
   const long n = (long)n_comp_r_shape[0] - 1;
   const long bhs = (long)v0_shape[0] * v0_shape[1];
   const long idx = (long)GROUP_X * NT + TID;
+  // Every load comes before the first store: the outputs may alias the inputs as far as the compiler knows, so a
+  // store between two loads would keep the later load from being issued before it.
+  float kx[16];                        // the lane's 8 pairs (a, b), decoded and turned
+  long k_at = -1;                      // the token's first key entry, for a thread that decodes keys
+  if (idx < bhs * n * KPT) {
+    const int klane = (int)(idx % KPT);
+    const long token = idx / KPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    const int g = c / GK;
+    // Key widths: each channel read at its storage row (kinv) with its class's width from its class's arrays (as
+    // the decode pass's tiled staging reads them; class 0's arrays may be placeholders: the key blocks per row come
+    // from the values' capacity).
+    WIDTH_CLASS_ENDS
+    const long cap = (long)v0_shape[2];
+    const long groups = cap / GK;
+    const long head = KCLS ? (long)(bh % kinv_shape[0]) * D : 0;
+    for (int i = 0; i < 8; ++i) {
+      const int j = klane * 8 + i;     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
+      const int a = (ROPE && !TRAD) ? j : 2 * j;
+      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
+      for (int e = 0; e < 2; ++e) {
+        const int ch = e ? b : a;
+        float x;
+        if (KCLS) {
+          const int s = (int)kinv[head + ch];
+          const int cl = CLASS_OF(s);
+          const int w = KBLO + cl;
+          const int first = PICK4(cl, 0, e0, e1, e2);
+          const long row = (long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first);
+          const GLOBAL U32* codes = PICK4(cl, k0, w1c, w2c, w3c);
+          const long at = row * groups + g;
+          x = PICK4(cl, (float)k1[at], (float)w1s[at], (float)w2s[at], (float)w3s[at])
+                  * (float)code_at(codes + row * (cap * w / 32), c, w)
+              + PICK4(cl, (float)k2[at], (float)w1b[at], (float)w2b[at], (float)w3b[at]);
+          if (KO && PICK4(cl, (int)kidx[at], (int)w1i[at], (int)w2i[at], (int)w3i[at]) == c - g * GK)
+            x += PICK4(cl, (float)kout[at], (float)w1o[at], (float)w2o[at], (float)w3o[at]);
+        } else {
+          const long row = (long)bh * D + ch;
+          x = (float)k1[row * k1_shape[3] + g] * (float)code_at(k0 + row * k0_shape[3], c, KB)
+              + (float)k2[row * k2_shape[3] + g];
+          if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x += (float)kout[row * kout_shape[3] + g];
+        }
+        kx[2 * i + e] = x;
+      }
+      if (ROPE) {
+        float sn, cs;
+        TURN_AT((float)c, rfreq[j], sn, cs);
+        const float ra = kx[2 * i] * cs - kx[2 * i + 1] * sn;
+        const float rb = kx[2 * i] * sn + kx[2 * i + 1] * cs;
+        kx[2 * i] = ra;
+        kx[2 * i + 1] = rb;
+      }
+    }
+    k_at = token * D;
+  }
+  float vx[8];
+  float vmul = 0.0f;
+  long v_at = -1;
+  if (idx < bhs * n * TPT) {
+    const int lane = (int)(idx % TPT);
+    const long token = idx / TPT;
+    const int bh = (int)(token / n);
+    const int c = (int)(token - (long)bh * n);
+    LOAD_VALUE(c, vx, vmul);
+    v_at = token * D + lane * 8;
+  }
+  if (k_at >= 0) {
+    const int klane = (int)(idx % KPT);
+    for (int i = 0; i < 8; ++i) {
+      const int j = klane * 8 + i;
+      keys[k_at + ((ROPE && !TRAD) ? j : 2 * j)] = static_cast<TD>(kx[2 * i]);
+      keys[k_at + ((ROPE && !TRAD) ? j + D / 2 : 2 * j + 1)] = static_cast<TD>(kx[2 * i + 1]);
+    }
+  }
+  if (v_at >= 0)
+    for (int i = 0; i < 8; ++i) values[v_at + i] = static_cast<TD>(vx[i] * vmul);
+"""
+_KIVI_BODY_INLINE_STORES = """
+  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
+  constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
+  constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
+  const long n = (long)n_comp_r_shape[0] - 1;
+  const long bhs = (long)v0_shape[0] * v0_shape[1];
+  const long idx = (long)GROUP_X * NT + TID;
   if (KCLS && idx < bhs * n * KPT) {
     // Key widths (KIVI's key_widths): the lane's 8 channel pairs as below, each channel read at its storage row
     // (kinv) with its class's width from its class's arrays (as the decode pass's tiled staging reads them).
@@ -245,6 +330,10 @@ _KIVI_BODY = """
     for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
   }
 """
+# Whether KIVI's history decode takes `_KIVI_BODY` (every load before the first store) or the form that passed the
+# GPU parity tests before it, `_KIVI_BODY_INLINE_STORES` (each pair stored as decoded): timed against each other on
+# the H200 with `SPEC#KIVI_LOADS_FIRST=false` (benchmarks/prefill_layer.py, decode.py --prefill).
+KIVI_LOADS_FIRST = True
 # Backends where KIVI caches decode their history with `_KIVI_BODY`. The CPU emulator checks it against the reference
 # (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test on the lent H200
 # (tests/test_kvcache_kernels.py::test_kivi_history_decode_kernel_matches_reference, 300 to 33,000 tokens;
@@ -288,18 +377,23 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
             and not value.grid and head_dim % 8 == 0)
 
 
-@functools.cache
 def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSource:
     """The history-decode kernel for one (key codec, value codec) pair; `proj`: sketched keys read Σ_j sign_j·S[j, :]
     from an input `proj` in place of the sketch."""
+    return _dequantize_source(key, value, proj, KIVI_LOADS_FIRST)
+
+
+@functools.cache
+def _dequantize_source(key: Codec, value: Codec, proj: bool, loads_first: bool) -> KernelSource:
     if key.kind == "kivi_keys":
         return KernelSource(
             name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}"
+                 + ("" if loads_first else "_inline")
                  + (f"_w{len(key.widths)}" if key.widths else ""),
             input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq", *_decode.WIDTH_INPUTS,
                          *(f"v{i}" for i in range(value.slots))),
             output_names=("keys", "values"),
-            body=_KIVI_BODY,
+            body=_KIVI_BODY if loads_first else _KIVI_BODY_INLINE_STORES,
             header=_HEADER,
             defines=value.macro("VALUE"),
         )
