@@ -147,92 +147,89 @@ SKETCH_HISTORY_BLOCK = 4096
 # consecutive pairs of the same token, so their writes are whole rows of the output and their code words are shared
 # through the cache. In place of MLX's dequantize, the outliers' scatter, the float32 RoPE over the whole history and
 # the casts: each a history-sized pass (a 32k-token prefill of the 3-bit level ran at 0.79x of fp16, BENCHMARKS.md).
-_KIVI_BODY = """
-  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
+_KIVI_TILED_BODY = """
+  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths); TT (the
+  // tokens of a threadgroup). Threadgroup: TT consecutive tokens of one kv head, keys and values.
   constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
-  constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
-  const long n = (long)n_comp_r_shape[0] - 1;
-  const long bhs = (long)v0_shape[0] * v0_shape[1];
-  const long idx = (long)GROUP_X * NT + TID;
-  // Every load comes before the first store: the outputs may alias the inputs as far as the compiler knows, so a
-  // store between two loads would keep the later load from being issued before it.
-  float kx[16];                        // the lane's 8 pairs (a, b), decoded and turned
-  long k_at = -1;                      // the token's first key entry, for a thread that decodes keys
-  if (idx < bhs * n * KPT) {
-    const int klane = (int)(idx % KPT);
-    const long token = idx / KPT;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
-    const int g = c / GK;
-    // Key widths: each channel read at its storage row (kinv) with its class's width from its class's arrays (as
-    // the decode pass's tiled staging reads them; class 0's arrays may be placeholders: the key blocks per row come
-    // from the values' capacity).
-    WIDTH_CLASS_ENDS
-    const long cap = (long)v0_shape[2];
-    const long groups = cap / GK;
-    const long head = KCLS ? (long)(bh % kinv_shape[0]) * D : 0;
-    for (int i = 0; i < 8; ++i) {
-      const int j = klane * 8 + i;     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
+  constexpr int SD = D + 1;            // a staged token's stride: the 32 tokens a warp stages of one channel hit 32 banks
+  SHARED float sh_k[TT * SD];
+  const int n = (int)n_comp_r_shape[0] - 1;
+  const int tiles = (n + TT - 1) / TT;
+  const int bh = (int)GROUP_X / tiles;
+  const int c0 = ((int)GROUP_X - bh * tiles) * TT;
+  const int count = n - c0 < TT ? n - c0 : TT;
+  WIDTH_CLASS_ENDS
+  const long cap = (long)v0_shape[2];
+  const long groups = cap / GK;        // key blocks per row (class 0's arrays may be placeholders: no shape to read)
+  const long head = KCLS ? (long)(bh % kinv_shape[0]) * D : 0;
+  // 1. The keys, channel by channel into shared memory: a warp decodes consecutive tokens of one channel (whole code
+  // words, one scale and bias), where a thread per token read every channel's row for a single token.
+  for (int i = TID; i < D * TT; i += NT) {
+    const int ch = i / TT;             // the channel in the model's order
+    const int t = i - ch * TT;
+    if (t < count) {
+      const int c = c0 + t;
+      const int g = c / GK;
+      float x;
+      if (KCLS) {                      // key widths: the channel's storage row (kinv), its class's width and arrays
+        const int s = (int)kinv[head + ch];
+        const int cl = CLASS_OF(s);
+        const int w = KBLO + cl;
+        const int first = PICK4(cl, 0, e0, e1, e2);
+        const long row = (long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first);
+        const long at = row * groups + g;
+        x = PICK4(cl, (float)k1[at], (float)w1s[at], (float)w2s[at], (float)w3s[at])
+                * (float)code_at(PICK4(cl, k0, w1c, w2c, w3c) + row * (cap * w / 32), c, w)
+            + PICK4(cl, (float)k2[at], (float)w1b[at], (float)w2b[at], (float)w3b[at]);
+        if (KO && PICK4(cl, (int)kidx[at], (int)w1i[at], (int)w2i[at], (int)w3i[at]) == c - g * GK)
+          x += PICK4(cl, (float)kout[at], (float)w1o[at], (float)w2o[at], (float)w3o[at]);
+      } else {
+        const long row = (long)bh * D + ch;
+        x = (float)k1[row * k1_shape[3] + g] * (float)code_at(k0 + row * k0_shape[3], c, KB)
+            + (float)k2[row * k2_shape[3] + g];
+        if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x += (float)kout[row * kout_shape[3] + g];
+      }
+      sh_k[t * SD + ch] = x;
+    }
+  }
+  // 2. The values, 8 channels of one token a thread (as `_BODY` reads them), while the keys' stores settle.
+  for (int i = TID; i < TT * TPT; i += NT) {
+    const int t = i / TPT;
+    const int lane = i - t * TPT;
+    if (t < count) {
+      const int c = c0 + t;
+      float out[8];
+      float mul;
+      LOAD_VALUE(c, out, mul);
+      const long at = ((long)bh * n + c) * D + lane * 8;
+      for (int k = 0; k < 8; ++k) values[at + k] = static_cast<TD>(out[k] * mul);
+    }
+  }
+  BARRIER();
+  // 3. The keys out, token by token: a warp writes consecutive channel pairs of one token, each pair turned by its
+  // position where the keys were stored before RoPE (compressed token c sits at position c: TURN_AT).
+  for (int i = TID; i < TT * (D / 2); i += NT) {
+    const int t = i / (D / 2);
+    const int j = i - t * (D / 2);     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
+    if (t < count) {
       const int a = (ROPE && !TRAD) ? j : 2 * j;
       const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
-      for (int e = 0; e < 2; ++e) {
-        const int ch = e ? b : a;
-        float x;
-        if (KCLS) {
-          const int s = (int)kinv[head + ch];
-          const int cl = CLASS_OF(s);
-          const int w = KBLO + cl;
-          const int first = PICK4(cl, 0, e0, e1, e2);
-          const long row = (long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first);
-          const GLOBAL U32* codes = PICK4(cl, k0, w1c, w2c, w3c);
-          const long at = row * groups + g;
-          x = PICK4(cl, (float)k1[at], (float)w1s[at], (float)w2s[at], (float)w3s[at])
-                  * (float)code_at(codes + row * (cap * w / 32), c, w)
-              + PICK4(cl, (float)k2[at], (float)w1b[at], (float)w2b[at], (float)w3b[at]);
-          if (KO && PICK4(cl, (int)kidx[at], (int)w1i[at], (int)w2i[at], (int)w3i[at]) == c - g * GK)
-            x += PICK4(cl, (float)kout[at], (float)w1o[at], (float)w2o[at], (float)w3o[at]);
-        } else {
-          const long row = (long)bh * D + ch;
-          x = (float)k1[row * k1_shape[3] + g] * (float)code_at(k0 + row * k0_shape[3], c, KB)
-              + (float)k2[row * k2_shape[3] + g];
-          if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x += (float)kout[row * kout_shape[3] + g];
-        }
-        kx[2 * i + e] = x;
-      }
+      float xa = sh_k[t * SD + a];
+      float xb = sh_k[t * SD + b];
       if (ROPE) {
         float sn, cs;
-        TURN_AT((float)c, rfreq[j], sn, cs);
-        const float ra = kx[2 * i] * cs - kx[2 * i + 1] * sn;
-        const float rb = kx[2 * i] * sn + kx[2 * i + 1] * cs;
-        kx[2 * i] = ra;
-        kx[2 * i + 1] = rb;
+        TURN_AT((float)(c0 + t), rfreq[j], sn, cs);
+        const float ra = xa * cs - xb * sn;
+        xb = xa * sn + xb * cs;
+        xa = ra;
       }
-    }
-    k_at = token * D;
-  }
-  float vx[8];
-  float vmul = 0.0f;
-  long v_at = -1;
-  if (idx < bhs * n * TPT) {
-    const int lane = (int)(idx % TPT);
-    const long token = idx / TPT;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
-    LOAD_VALUE(c, vx, vmul);
-    v_at = token * D + lane * 8;
-  }
-  if (k_at >= 0) {
-    const int klane = (int)(idx % KPT);
-    for (int i = 0; i < 8; ++i) {
-      const int j = klane * 8 + i;
-      keys[k_at + ((ROPE && !TRAD) ? j : 2 * j)] = static_cast<TD>(kx[2 * i]);
-      keys[k_at + ((ROPE && !TRAD) ? j + D / 2 : 2 * j + 1)] = static_cast<TD>(kx[2 * i + 1]);
+      const long at = ((long)bh * n + c0 + t) * D;
+      keys[at + a] = static_cast<TD>(xa);
+      keys[at + b] = static_cast<TD>(xb);
     }
   }
-  if (v_at >= 0)
-    for (int i = 0; i < 8; ++i) values[v_at + i] = static_cast<TD>(vx[i] * vmul);
 """
-_KIVI_BODY_INLINE_STORES = """
+_KIVI_BODY = """
   // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
   constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
   constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
@@ -330,10 +327,11 @@ _KIVI_BODY_INLINE_STORES = """
     for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
   }
 """
-# Whether KIVI's history decode takes `_KIVI_BODY` (every load before the first store) or the form that passed the
-# GPU parity tests before it, `_KIVI_BODY_INLINE_STORES` (each pair stored as decoded): timed against each other on
-# the H200 with `SPEC#KIVI_LOADS_FIRST=false` (benchmarks/prefill_layer.py, decode.py --prefill).
-KIVI_LOADS_FIRST = True
+# Whether KIVI's history decode takes `_KIVI_TILED_BODY` (a threadgroup per KIVI_TILE_TOKENS tokens, keys staged in
+# shared memory) or `_KIVI_BODY` (a thread per token's 8 channel pairs): timed against each other on the H200 with
+# `SPEC#KIVI_TILED_HISTORY=false` (benchmarks/prefill_layer.py, decode.py --prefill).
+KIVI_TILED_HISTORY = True
+KIVI_TILE_TOKENS = 32
 # Backends where KIVI caches decode their history with `_KIVI_BODY`. The CPU emulator checks it against the reference
 # (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test on the lent H200
 # (tests/test_kvcache_kernels.py::test_kivi_history_decode_kernel_matches_reference, 300 to 33,000 tokens;
@@ -380,20 +378,20 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
 def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSource:
     """The history-decode kernel for one (key codec, value codec) pair; `proj`: sketched keys read Σ_j sign_j·S[j, :]
     from an input `proj` in place of the sketch."""
-    return _dequantize_source(key, value, proj, KIVI_LOADS_FIRST)
+    return _dequantize_source(key, value, proj, KIVI_TILED_HISTORY)
 
 
 @functools.cache
-def _dequantize_source(key: Codec, value: Codec, proj: bool, loads_first: bool) -> KernelSource:
+def _dequantize_source(key: Codec, value: Codec, proj: bool, tiled: bool) -> KernelSource:
     if key.kind == "kivi_keys":
         return KernelSource(
             name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}"
-                 + ("" if loads_first else "_inline")
+                 + ("_tiled" if tiled else "")
                  + (f"_w{len(key.widths)}" if key.widths else ""),
             input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq", *_decode.WIDTH_INPUTS,
                          *(f"v{i}" for i in range(value.slots))),
             output_names=("keys", "values"),
-            body=_KIVI_BODY if loads_first else _KIVI_BODY_INLINE_STORES,
+            body=_KIVI_TILED_BODY if tiled else _KIVI_BODY,
             header=_HEADER,
             defines=value.macro("VALUE"),
         )
@@ -465,8 +463,12 @@ def dequantize_history(
     threads = batch * n_kv * n_tokens * (head_dim // 8)
     shape = (batch, n_kv, n_tokens, head_dim)
     template = [("D", head_dim), ("G", group_size), ("NT", THREADS), ("TD", dtype)]
+    grid = (threads + THREADS - 1) // THREADS * THREADS
     if key.kind == "kivi_keys":
         head, outliers, widths = _decode.kivi_key_inputs(key, key_arrays)
+        if KIVI_TILED_HISTORY:  # a threadgroup per KIVI_TILE_TOKENS tokens of a kv head
+            template.append(("TT", KIVI_TILE_TOKENS))
+            grid = batch * n_kv * ((n_tokens + KIVI_TILE_TOKENS - 1) // KIVI_TILE_TOKENS) * THREADS
         key_arrays = [*head, *outliers, _decode._no_grid() if rope is None else rope[0], *widths]
         template += [("GK", key_block or group_size), ("KB", key.widest), ("ROPE", int(rope is not None)),
                      ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers)),
@@ -478,7 +480,7 @@ def dequantize_history(
     keys, values = kernel(dequantize_source(key, value, proj), backend)(
         inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *extra],
         template=template,
-        grid=((threads + THREADS - 1) // THREADS * THREADS, 1, 1),
+        grid=(grid, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[shape, shape],
         output_dtypes=[dtype, dtype],
