@@ -139,15 +139,19 @@ SKETCH_HISTORY_BLOCK = 4096
 
 # KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
 # so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
-# instead. A thread here decodes 8 channel pairs of one token (the first B·H·n·D/16 threads; every thread also decodes
-# its 8 value channels as in `_BODY`): per channel the code, the block's scale and bias (float32, as the reference's
-# float32-scale dequantize), the block's outlier residual where KO and the token is its index, then, keys stored
-# before RoPE (ROPE, TRAD: KIVI's rope=pre), the pair turned by its position as the tiled decode pass turns it
-# (TURN_AT; compressed token c sits at position c, the sinks' copies being in KIVI's stream). Lanes of a warp take
-# consecutive pairs of the same token, so their writes are whole rows of the output and their code words are shared
-# through the cache. In place of MLX's dequantize, the outliers' scatter, the float32 RoPE over the whole history and
-# the casts: each a history-sized pass (a 32k-token prefill of the 3-bit level ran at 0.79x of fp16, BENCHMARKS.md).
-_KIVI_TILED_BODY = """
+# instead. A threadgroup here decodes KIVI_TILE_TOKENS consecutive tokens of one kv head. Its keys are staged channel
+# by channel in shared memory: a warp decodes 32 consecutive tokens of one channel (their code words contiguous, one
+# block scale and bias, float32 as the reference's float32-scale dequantize; the block's outlier residual where KO and
+# the token is its index). They are then written token by token, a warp taking consecutive channel pairs, each pair
+# turned by its position where the keys were stored before RoPE (ROPE, TRAD: KIVI's rope=pre; compressed token c sits
+# at position c, the sinks' copies being in KIVI's stream) as the tiled decode pass turns it (TURN_AT). Values are
+# decoded 8 channels of a token a thread, as in `_BODY`. In place of MLX's dequantize, the outliers' scatter, the
+# float32 RoPE over the whole history and the casts: each a history-sized pass (a 32k-token prefill of the 3-bit
+# level ran at 0.79x of fp16, BENCHMARKS.md). The first form of this kernel, a thread per token's 8 key channel pairs,
+# had each warp load touch 8 channel rows for 4 tokens: one layer's 14,336-token history of the
+# 4-bit level's layout took 0.72 ms to decode on the H200 that way and 0.41 ms in tiles (0.75 against 0.61 ms for the
+# 3-bit level's, 0.64 against 0.51 for the 2-bit level's; prefill-tiled-history-h200.json, same runs).
+_KIVI_BODY = """
   // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths); TT (the
   // tokens of a threadgroup). Threadgroup: TT consecutive tokens of one kv head, keys and values.
   constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
@@ -229,116 +233,19 @@ _KIVI_TILED_BODY = """
     }
   }
 """
-_KIVI_BODY = """
-  // Template: D, G (value group), GK (key block), KB (key bits), ROPE, TRAD, KO, TD; KCLS, KBLO (key widths).
-  constexpr int TPT = D / 8;           // value lanes per token (8 channels each)
-  constexpr int KPT = D / 16;          // key lanes per token (8 channel pairs each)
-  const long n = (long)n_comp_r_shape[0] - 1;
-  const long bhs = (long)v0_shape[0] * v0_shape[1];
-  const long idx = (long)GROUP_X * NT + TID;
-  if (KCLS && idx < bhs * n * KPT) {
-    // Key widths (KIVI's key_widths): the lane's 8 channel pairs as below, each channel read at its storage row
-    // (kinv) with its class's width from its class's arrays (as the decode pass's tiled staging reads them).
-    const int e0 = KCLS > 0 ? (int)kends[0] : D;
-    const int e1 = KCLS > 1 ? (int)kends[1] : D;
-    const int e2 = KCLS > 2 ? (int)kends[2] : D;
-    const int e3 = KCLS > 3 ? (int)kends[3] : D;
-    const int klane = (int)(idx % KPT);
-    const long token = idx / KPT;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
-    const int g = c / GK;
-    const long cap = (long)v0_shape[2];
-    const long groups = cap / GK;   // key blocks per row (class 0's arrays may be a placeholder: no shape to read)
-    const long head = (long)(bh % kinv_shape[0]) * D;
-    for (int i = 0; i < 8; ++i) {
-      const int j = klane * 8 + i;
-      const int a = (ROPE && !TRAD) ? j : 2 * j;
-      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
-      float x[2];
-      for (int e = 0; e < 2; ++e) {
-        const int s = (int)kinv[head + (e ? b : a)];
-        const int cl = (s >= e0) + (s >= e1) + (s >= e2);
-        const int w = KBLO + cl;
-        const int first = cl == 0 ? 0 : cl == 1 ? e0 : cl == 2 ? e1 : e2;
-        const int rows = (cl == 0 ? e0 : cl == 1 ? e1 : cl == 2 ? e2 : e3) - first;
-        const long row = (long)bh * rows + (s - first);
-        const GLOBAL U32* codes = cl == 0 ? k0 : cl == 1 ? w1c : cl == 2 ? w2c : w3c;
-        const U32 code = code_at(codes + row * (cap * w / 32), c, w);
-        const long at = row * groups + g;
-        x[e] = (cl == 0 ? (float)k1[at] : cl == 1 ? (float)w1s[at] : cl == 2 ? (float)w2s[at] : (float)w3s[at])
-               * (float)code
-               + (cl == 0 ? (float)k2[at] : cl == 1 ? (float)w1b[at] : cl == 2 ? (float)w2b[at] : (float)w3b[at]);
-        if (KO) {
-          const int spot = cl == 0 ? (int)kidx[at] : cl == 1 ? (int)w1i[at] : cl == 2 ? (int)w2i[at] : (int)w3i[at];
-          if (spot == c - g * GK)
-            x[e] += cl == 0 ? (float)kout[at] : cl == 1 ? (float)w1o[at] : cl == 2 ? (float)w2o[at] : (float)w3o[at];
-        }
-      }
-      if (ROPE) {
-        float sn, cs;
-        TURN_AT((float)c, rfreq[j], sn, cs);
-        const float ra = x[0] * cs - x[1] * sn;
-        const float rb = x[0] * sn + x[1] * cs;
-        x[0] = ra;
-        x[1] = rb;
-      }
-      keys[token * D + a] = static_cast<TD>(x[0]);
-      keys[token * D + b] = static_cast<TD>(x[1]);
-    }
-  } else if (idx < bhs * n * KPT) {
-    const int klane = (int)(idx % KPT);
-    const long token = idx / KPT;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
-    const int g = c / GK;
-    for (int i = 0; i < 8; ++i) {
-      const int j = klane * 8 + i;     // the pair; without RoPE, channels 2j and 2j + 1 (any pairing serves)
-      const int a = (ROPE && !TRAD) ? j : 2 * j;
-      const int b = (ROPE && !TRAD) ? j + D / 2 : 2 * j + 1;
-      float x[2];
-      for (int e = 0; e < 2; ++e) {
-        const long row = (long)bh * D + (e ? b : a);
-        const U32 code = code_at(k0 + row * k0_shape[3], c, KB);
-        x[e] = (float)k1[row * k1_shape[3] + g] * (float)code + (float)k2[row * k2_shape[3] + g];
-        if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x[e] += (float)kout[row * kout_shape[3] + g];
-      }
-      if (ROPE) {
-        float sn, cs;
-        TURN_AT((float)c, rfreq[j], sn, cs);
-        const float ra = x[0] * cs - x[1] * sn;
-        const float rb = x[0] * sn + x[1] * cs;
-        x[0] = ra;
-        x[1] = rb;
-      }
-      keys[token * D + a] = static_cast<TD>(x[0]);
-      keys[token * D + b] = static_cast<TD>(x[1]);
-    }
-  }
-  if (idx < bhs * n * TPT) {
-    const int lane = (int)(idx % TPT);
-    const long token = idx / TPT;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
-    const long at = token * D + lane * 8;
-    float out[8];
-    float mul;
-    LOAD_VALUE(c, out, mul);
-    for (int i = 0; i < 8; ++i) values[at + i] = static_cast<TD>(out[i] * mul);
-  }
-"""
-# Whether KIVI's history decode takes `_KIVI_TILED_BODY` (a threadgroup per KIVI_TILE_TOKENS tokens, keys staged in
-# shared memory) or `_KIVI_BODY` (a thread per token's 8 channel pairs): timed against each other on the H200 with
-# `SPEC#KIVI_TILED_HISTORY=false` (benchmarks/prefill_layer.py, decode.py --prefill).
-KIVI_TILED_HISTORY = True
+# Tokens a threadgroup of `_KIVI_BODY` decodes: its staged keys take KIVI_TILE_TOKENS x (D + 1) floats of shared memory
+# (16.5 KB at head_dim 128, under Metal's 32 KB). 16 decoded the 4-bit layout's 14,336-token layer in 0.56 ms on the
+# H200 against 0.41 for 32 (prefill-tiled-history-h200.json).
 KIVI_TILE_TOKENS = 32
 # Backends where KIVI caches decode their history with `_KIVI_BODY`. The CPU emulator checks it against the reference
 # (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test on the lent H200
 # (tests/test_kvcache_kernels.py::test_kivi_history_decode_kernel_matches_reference, 300 to 33,000 tokens;
 # kernel-parity-history-r3-h200.log), where a 32k-token prefill of the 3-bit level (keys before RoPE) ran at 6,072 and
 # 6,026 tok/s with it against 5,821 without (fp16 7,273 / 7,169) and the 4-bit level's at 6,636 (against 6,382 without in
-# the previous lease's run; prefill-history-kernels-r2-h200.json, prefill-history-kernels-h200.json). Metal runs the
-# same body (nothing in it beyond what the decode pass's Metal form uses): enabled by construction.
+# the previous lease's run; prefill-history-kernels-r2-h200.json, prefill-history-kernels-h200.json). Its tiled form
+# passed the same test on the H200 on 2026-12-03, every layout at 300, 8,193 and 33,000 tokens
+# (kernel-parity-tiled-history-h200.log). Metal runs the same body (shared memory and a barrier, as the decode pass's
+# Metal form uses them): enabled by construction.
 KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # Backends where `_KIVI_BODY` decodes key channels at different widths (KIVI's key_widths; elsewhere such a history is
 # decoded through MLX, one mx.dequantize per width and a gather). The CPU emulator checks it against the reference
@@ -355,6 +262,7 @@ KIVI_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # (kernel-parity-widths-r5-h200.log), and a 32k-token prefill of the 8B shape ran through it as given and before RoPE
 # (decode-key-widths-r6-h200.json): 4,414 tok/s for the 4-bit level as given against 4,289 through MLX and 7,187 for
 # fp16 in the same run, so most of what the key widths cost a prefill on a GPU lies outside this kernel (issue 11).
+# The tiled form reads each channel's storage row the same way (kernel-parity-tiled-history-h200.log).
 # Metal runs the same body: enabled by construction, as every kernel here.
 WIDTH_HISTORY_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
@@ -375,23 +283,19 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
             and not value.grid and head_dim % 8 == 0)
 
 
+@functools.cache
 def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSource:
     """The history-decode kernel for one (key codec, value codec) pair; `proj`: sketched keys read Σ_j sign_j·S[j, :]
     from an input `proj` in place of the sketch."""
-    return _dequantize_source(key, value, proj, KIVI_TILED_HISTORY)
-
-
-@functools.cache
-def _dequantize_source(key: Codec, value: Codec, proj: bool, tiled: bool) -> KernelSource:
     if key.kind == "kivi_keys":
         return KernelSource(
             name=f"velox_dequantize_kivi{key.bits}_{value.kind}{value.bits}_{int(value.symmetric)}"
-                 + ("_tiled" if tiled else "")
+                 + "_tiled"
                  + (f"_w{len(key.widths)}" if key.widths else ""),
             input_names=("n_comp_r", "k0", "k1", "k2", "kout", "kidx", "rfreq", *_decode.WIDTH_INPUTS,
                          *(f"v{i}" for i in range(value.slots))),
             output_names=("keys", "values"),
-            body=_KIVI_TILED_BODY if tiled else _KIVI_BODY,
+            body=_KIVI_BODY,
             header=_HEADER,
             defines=value.macro("VALUE"),
         )
@@ -466,9 +370,8 @@ def dequantize_history(
     grid = (threads + THREADS - 1) // THREADS * THREADS
     if key.kind == "kivi_keys":
         head, outliers, widths = _decode.kivi_key_inputs(key, key_arrays)
-        if KIVI_TILED_HISTORY:  # a threadgroup per KIVI_TILE_TOKENS tokens of a kv head
-            template.append(("TT", KIVI_TILE_TOKENS))
-            grid = batch * n_kv * ((n_tokens + KIVI_TILE_TOKENS - 1) // KIVI_TILE_TOKENS) * THREADS
+        template.append(("TT", KIVI_TILE_TOKENS))  # a threadgroup per KIVI_TILE_TOKENS tokens of a kv head
+        grid = batch * n_kv * ((n_tokens + KIVI_TILE_TOKENS - 1) // KIVI_TILE_TOKENS) * THREADS
         key_arrays = [*head, *outliers, _decode._no_grid() if rope is None else rope[0], *widths]
         template += [("GK", key_block or group_size), ("KB", key.widest), ("ROPE", int(rope is not None)),
                      ("TRAD", int(rope is not None and rope[1])), ("KO", int(key.outliers)),
