@@ -21,7 +21,8 @@ carry the drift between runs (one figure of the same code moved by 25 % between 
 Beside each figure is the step's memory bound: (weight bytes + the bytes the caches hold) / read
 bandwidth, the bandwidth measured here with a large reduction; `bound_tok_s` is the speed a step reading
 every byte once at that bandwidth would reach. With --prefill N, a chunked prefill of an N-token prompt
-(2,048-token chunks through the model, as mlx-lm's generate does) is timed for a few caches too.
+(2,048-token chunks through the model, as mlx-lm's generate does; and again with the next chunk recorded while the
+current one runs, as the app does: `pipelined_prefill_tok_s`) is timed for a few caches too.
 
 Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
@@ -382,30 +383,39 @@ def chunked_prefill(model: nn.Module, caches: list[Any], prompt: Any,
 
 
 def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
-    """A chunked prefill of `n_tokens` into fresh caches, timed on its second run: the first compiles the
+    """A chunked prefill of `n_tokens` into fresh caches, timed on a later run: the first compiles the
     kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
     would be charged to whichever spec happens to come first. The first run's time is kept as `first_prefill_s`:
-    in a fresh process with one spec, what a user's first prompt pays for the compiles."""
+    in a fresh process with one spec, what a user's first prompt pays for the compiles. `prefill_s` is the prefill
+    as mlx-lm's generate runs it (each chunk recorded, then evaluated); `pipelined_prefill_s` the app's
+    (engine/chat/prefill.py: the next chunk recorded while the current one is evaluated), in new caches each."""
     import mlx.core as mx
+
+    from engine.chat.prefill import prefill_chunks
 
     prompt = mx.random.randint(0, shape["vocab"], (1, n_tokens)).astype(mx.int32)
     mx.eval(prompt)
     runs = []
-    for timed in (False, True):
+    for run in ("first", "pipelined", "timed"):
         caches = make_caches(spec, shape["layers"], shape)
         mx.synchronize()
         began = time.perf_counter()
-        chunked_prefill(model, caches, prompt)
+        if run == "pipelined":  # the app's prefill: the next chunk recorded while the current one runs
+            for _ in prefill_chunks(model, caches, prompt[0], PREFILL_CHUNK):
+                pass
+        else:  # mlx-lm's generate: one chunk after another
+            chunked_prefill(model, caches, prompt)
         mx.synchronize()
         runs.append(time.perf_counter() - began)
-        if not timed:
+        if run != "timed":
             del caches
             gc.collect()
             mx.clear_cache()
     # One decode step after the real prefill, to show the cache it built decodes too.
     step = time_decode(model, caches, steps=3, warmup=1)
     del caches
-    return {"prefill_s": runs[1], "prefill_tok_s": n_tokens / runs[1], "first_prefill_s": runs[0],
+    return {"prefill_s": runs[2], "prefill_tok_s": n_tokens / runs[2], "first_prefill_s": runs[0],
+            "pipelined_prefill_s": runs[1], "pipelined_prefill_tok_s": n_tokens / runs[1],
             "decode_tok_s_after": 1 / step[1]}
 
 
@@ -631,8 +641,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 with spec_constants(spec) as text:
                     row |= time_prefill(model, text, args.prefill, shape)
-                print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s "
-                      f"(then decode {row['decode_tok_s_after']:.1f} tok/s)", flush=True)
+                print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s, pipelined "
+                      f"{row['pipelined_prefill_tok_s']:.0f} (then decode {row['decode_tok_s_after']:.1f} tok/s)",
+                      flush=True)
             except Exception as error:
                 row["error"] = _error_text(error)
                 print(f"prefill {spec:16s}: FAILED {row['error']}", flush=True)

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from engine.chat.documents import Document
+from engine.chat.prefill import prefill_chunks
 from engine.errors import CancelledError, ContextOverflowError, VeloxError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, reencode_caches, reencode_into
 from engine.kvcache.trim import trim_for_reuse
@@ -414,19 +415,16 @@ class ChatSession:
         return KVCacheBuilder(config).for_model(self.model).effective_bits_per_value()
 
     def _prefill(self, tokens: list[int], cancel: threading.Event) -> Iterator[PrefillProgress]:
-        """Run `tokens` through the model into the cache in chunks, yielding progress; stops on cancel."""
+        """Run `tokens` through the model into the cache in chunks, yielding progress; stops on cancel (the chunk
+        in flight is finished: engine/chat/prefill.py)."""
         total = len(tokens)
-        done = 0
-        chunk = max(1, self.settings.prefill_chunk)
         yield PrefillProgress(0, total)
-        while done < total:
-            if cancel.is_set():
-                return
-            piece = tokens[done:done + chunk]
-            self.model(mx.array(piece)[None], cache=self.prompt_cache)
-            mx.eval([c.state for c in self.prompt_cache])
-            done += len(piece)
-            self.cached_tokens.extend(piece)
+        if not total:
+            return
+        counted = 0
+        for done in prefill_chunks(self.model, self.prompt_cache, tokens, self.settings.prefill_chunk, cancel):
+            self.cached_tokens.extend(tokens[counted:done])
+            counted = done
             yield PrefillProgress(done, total)
 
     # ----- the turn ------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""The chunked prefill that records the next chunk while the current one is evaluated (engine/chat/prefill.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.chat.prefill import prefill_chunks
+
+N_TOKENS = 300
+CHUNK = 64
+
+
+def _caches(model, level: str | None) -> list:
+    if level is None:
+        return make_prompt_cache(model)
+    from engine.kvcache import KVCacheBuilder
+    from engine.planning.recommend import level_by_key
+
+    return KVCacheBuilder(level_by_key(level).config).for_model(model).build()
+
+
+def _tokens() -> list[int]:
+    return np.random.default_rng(3).integers(0, 49152, N_TOKENS).tolist()
+
+
+def _arrays(caches: list) -> list[np.ndarray]:
+    return [np.array(v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v)
+            for cache in caches for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
+
+
+@pytest.mark.parametrize("level", [None, "4", "3"])
+def test_pipelined_prefill_fills_the_cache_as_one_chunk_after_another_does(smollm, level: str | None) -> None:
+    """Every chunk's counts in order, and the caches equal, array for array, those of chunks fed and evaluated one
+    after another (the 16-bit cache, and the 4- and 3-bit levels, whose key blocks straddle the chunks)."""
+    model, _, _ = smollm
+    tokens = _tokens()
+    serial = _caches(model, level)
+    for start in range(0, N_TOKENS, CHUNK):
+        model(mx.array(tokens[start:start + CHUNK])[None], cache=serial)
+        mx.eval([c.state for c in serial])
+    pipelined = _caches(model, level)
+    counts = list(prefill_chunks(model, pipelined, tokens, CHUNK))
+    assert counts == [*range(CHUNK, N_TOKENS, CHUNK), N_TOKENS]
+    assert [c.offset for c in pipelined] == [N_TOKENS] * len(pipelined)
+    expected, got = _arrays(serial), _arrays(pipelined)
+    assert len(expected) == len(got) > 0
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(have, want)
+
+
+def test_a_cancel_finishes_the_chunk_in_flight_and_records_no_more(smollm) -> None:
+    """Cancelled after the first chunk is counted: the second, recorded while the first ran, is finished and counted,
+    and no third is recorded, so the cache holds exactly the tokens counted."""
+    model, _, _ = smollm
+    cache = _caches(model, "4")
+    cancel = threading.Event()
+    counts = []
+    for done in prefill_chunks(model, cache, _tokens(), CHUNK, cancel):
+        counts.append(done)
+        cancel.set()
+    assert counts == [CHUNK, 2 * CHUNK]
+    assert [c.offset for c in cache] == [2 * CHUNK] * len(cache)
+
+
+def test_nothing_is_recorded_when_cancelled_before_the_first_chunk(smollm) -> None:
+    model, _, _ = smollm
+    cache = _caches(model, None)
+    cancel = threading.Event()
+    cancel.set()
+    assert list(prefill_chunks(model, cache, _tokens(), CHUNK, cancel)) == []
+    assert [c.offset for c in cache] == [0] * len(cache)
