@@ -16,13 +16,15 @@ N_TOKENS = 300
 CHUNK = 64
 
 
-def _caches(model, level: str | None) -> list:
+def _caches(smollm, level: str | None) -> list:
+    """Fresh caches of the 16-bit cache or an app level, calibrated as the app's are (the bundled prose)."""
+    model, tokenizer, _ = smollm
     if level is None:
         return make_prompt_cache(model)
     from engine.kvcache import KVCacheBuilder
     from engine.planning.recommend import level_by_key
 
-    return KVCacheBuilder(level_by_key(level).config).for_model(model).build()
+    return KVCacheBuilder(level_by_key(level).config).for_model(model, tokenizer=tokenizer).build()
 
 
 def _tokens() -> list[int]:
@@ -40,11 +42,11 @@ def test_pipelined_prefill_fills_the_cache_as_one_chunk_after_another_does(smoll
     after another (the 16-bit cache, and the 4- and 3-bit levels, whose key blocks straddle the chunks)."""
     model, _, _ = smollm
     tokens = _tokens()
-    serial = _caches(model, level)
+    serial = _caches(smollm, level)
     for start in range(0, N_TOKENS, CHUNK):
         model(mx.array(tokens[start:start + CHUNK])[None], cache=serial)
         mx.eval([c.state for c in serial])
-    pipelined = _caches(model, level)
+    pipelined = _caches(smollm, level)
     counts = list(prefill_chunks(model, pipelined, tokens, CHUNK))
     assert counts == [*range(CHUNK, N_TOKENS, CHUNK), N_TOKENS]
     assert [c.offset for c in pipelined] == [N_TOKENS] * len(pipelined)
@@ -58,7 +60,7 @@ def test_a_cancel_finishes_the_chunk_in_flight_and_records_no_more(smollm) -> No
     """Cancelled after the first chunk is counted: the second, recorded while the first ran, is finished and counted,
     and no third is recorded, so the cache holds exactly the tokens counted."""
     model, _, _ = smollm
-    cache = _caches(model, "4")
+    cache = _caches(smollm, "4")
     cancel = threading.Event()
     counts = []
     for done in prefill_chunks(model, cache, _tokens(), CHUNK, cancel):
@@ -70,7 +72,7 @@ def test_a_cancel_finishes_the_chunk_in_flight_and_records_no_more(smollm) -> No
 
 def test_nothing_is_recorded_when_cancelled_before_the_first_chunk(smollm) -> None:
     model, _, _ = smollm
-    cache = _caches(model, None)
+    cache = _caches(smollm, None)
     cancel = threading.Event()
     cancel.set()
     assert list(prefill_chunks(model, cache, _tokens(), CHUNK, cancel)) == []

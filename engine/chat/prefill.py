@@ -2,14 +2,20 @@
 
 A prompt is fed through the model a chunk at a time (its attention scores and activations then stay one chunk's
 size). Recording a chunk — every layer's cache update and attention built into MLX's graph — is host work, and a
-compressed cache records more of it than the 16-bit one (its encode, its history decode, its store's appends). Fed
-one chunk after another, as mlx-lm's generate does, the device waits while the host records each chunk. Here chunk
-i+1 is recorded while chunk i is evaluated (`mx.async_eval`), as mlx-lm's decode loop overlaps its steps.
+compressed cache records more of it than the 16-bit one (its encode, its history decode, its store's appends): on an
+H200 the app's levels took 15-20 ms a 512-token chunk to record against ~3.5 ms for the 16-bit cache
+(benchmarks/results/prefill-chunks-512-h200.json). Fed one chunk after another, as mlx-lm's generate does, the
+device waits while the host records each chunk. Here chunk i+1 is recorded while chunk i runs.
+
+Chunk i+1 is only recorded, not submitted, until chunk i is done (`mx.synchronize`): when it is submitted nothing but
+the caches holds chunk i's arrays, so its appends may write into chunk i's buffers in place (MLX donates an input
+buffer only while nothing else references it; a list of chunk i's states kept to wait on would force a copy of every
+store array).
 
 The caches' bookkeeping (offsets, segments) moves when a chunk is recorded, before it is evaluated: a caller that
 counts the tokens a cache holds reads the counts this generator yields, which are those of evaluated chunks. On a
-cancel no new chunk is recorded and the one in flight is finished, so the cache never holds a chunk that was not
-counted.
+cancel no new chunk is recorded, and the one already recorded is evaluated and counted, so the cache never holds a
+chunk that was not counted.
 """
 
 from __future__ import annotations
@@ -25,25 +31,24 @@ def prefill_chunks(model: Any, cache: list[Any], tokens: Sequence[int] | mx.arra
                    cancel: threading.Event | None = None) -> Iterator[int]:
     """Feeds `tokens` (a list of ids, or an int array of shape [N]) through `model` into `cache`, `chunk` tokens at a
     time; after each chunk is evaluated, yields how many tokens have been evaluated so far. Stops recording chunks
-    once `cancel` is set (the chunk in flight is still finished and counted)."""
+    once `cancel` is set (a chunk already recorded is still evaluated and counted)."""
     prompt = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
     total = int(prompt.shape[0])
     step = max(1, chunk)
     recorded = 0
-    in_flight: tuple[int, list[Any]] | None = None  # (tokens evaluated once it is done, its arrays)
+    running: int | None = None  # tokens evaluated once the chunk submitted last is done
     while True:
-        recording = None
+        states = None
         if recorded < total and not (cancel is not None and cancel.is_set()):
             end = min(recorded + step, total)
-            model(prompt[None, recorded:end], cache=cache)
+            model(prompt[None, recorded:end], cache=cache)  # recorded while the chunk before runs
             states = [c.state for c in cache]
-            mx.async_eval(states)
             recorded = end
-            recording = (end, states)
-        if in_flight is not None:
-            done, states = in_flight
-            mx.eval(states)
-            yield done
-        if recording is None:
+        if running is not None:
+            mx.synchronize()
+            yield running
+        if states is None:
             return
-        in_flight = recording
+        mx.async_eval(states)
+        del states  # the caches alone hold the chunk's arrays when the next one is submitted
+        running = recorded
