@@ -401,7 +401,7 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, An
         mx.synchronize()
         began = time.perf_counter()
         if run == "pipelined":  # the app's prefill: the next chunk recorded while the current one runs
-            for _ in prefill_chunks(model, caches, prompt[0], PREFILL_CHUNK):
+            for _ in prefill_chunks(model, caches, prompt[0], PREFILL_CHUNK, pipelined=True):
                 pass
         else:  # mlx-lm's generate: one chunk after another
             chunked_prefill(model, caches, prompt)

@@ -36,44 +36,48 @@ def _arrays(caches: list) -> list[np.ndarray]:
             for cache in caches for _, v in tree_flatten(cache.state) if isinstance(v, mx.array)]
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("level", [None, "4", "3"])
-def test_pipelined_prefill_fills_the_cache_as_one_chunk_after_another_does(smollm, level: str | None) -> None:
+def test_prefill_fills_the_cache_as_one_chunk_after_another_does(smollm, level: str | None, pipelined: bool) -> None:
     """Every chunk's counts in order, and the caches equal, array for array, those of chunks fed and evaluated one
-    after another (the 16-bit cache, and the 4- and 3-bit levels, whose key blocks straddle the chunks)."""
+    after another (the 16-bit cache, and the 4- and 3-bit levels, whose key blocks straddle the chunks), pipelined
+    (the next chunk recorded while one runs, as on a GPU) or not (as on a CPU)."""
     model, _, _ = smollm
     tokens = _tokens()
     serial = _caches(smollm, level)
     for start in range(0, N_TOKENS, CHUNK):
         model(mx.array(tokens[start:start + CHUNK])[None], cache=serial)
         mx.eval([c.state for c in serial])
-    pipelined = _caches(smollm, level)
-    counts = list(prefill_chunks(model, pipelined, tokens, CHUNK))
+    filled = _caches(smollm, level)
+    counts = list(prefill_chunks(model, filled, tokens, CHUNK, pipelined=pipelined))
     assert counts == [*range(CHUNK, N_TOKENS, CHUNK), N_TOKENS]
-    assert [c.offset for c in pipelined] == [N_TOKENS] * len(pipelined)
-    expected, got = _arrays(serial), _arrays(pipelined)
+    assert [c.offset for c in filled] == [N_TOKENS] * len(filled)
+    expected, got = _arrays(serial), _arrays(filled)
     assert len(expected) == len(got) > 0
     for want, have in zip(expected, got, strict=True):
         np.testing.assert_array_equal(have, want)
 
 
-def test_a_cancel_finishes_the_chunk_in_flight_and_records_no_more(smollm) -> None:
-    """Cancelled after the first chunk is counted: the second, recorded while the first ran, is finished and counted,
-    and no third is recorded, so the cache holds exactly the tokens counted."""
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_cancel_records_no_more_chunks(smollm, pipelined: bool) -> None:
+    """Cancelled after the first chunk is counted: pipelined, the second, recorded while the first ran, is finished and
+    counted, and no third is recorded; else none after the first. The cache holds exactly the tokens counted."""
     model, _, _ = smollm
     cache = _caches(smollm, "4")
     cancel = threading.Event()
     counts = []
-    for done in prefill_chunks(model, cache, _tokens(), CHUNK, cancel):
+    for done in prefill_chunks(model, cache, _tokens(), CHUNK, cancel, pipelined=pipelined):
         counts.append(done)
         cancel.set()
-    assert counts == [CHUNK, 2 * CHUNK]
-    assert [c.offset for c in cache] == [2 * CHUNK] * len(cache)
+    assert counts == ([CHUNK, 2 * CHUNK] if pipelined else [CHUNK])
+    assert [c.offset for c in cache] == [counts[-1]] * len(cache)
 
 
-def test_nothing_is_recorded_when_cancelled_before_the_first_chunk(smollm) -> None:
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_nothing_is_recorded_when_cancelled_before_the_first_chunk(smollm, pipelined: bool) -> None:
     model, _, _ = smollm
     cache = _caches(smollm, None)
     cancel = threading.Event()
     cancel.set()
-    assert list(prefill_chunks(model, cache, _tokens(), CHUNK, cancel)) == []
+    assert list(prefill_chunks(model, cache, _tokens(), CHUNK, cancel, pipelined=pipelined)) == []
     assert [c.offset for c in cache] == [0] * len(cache)
