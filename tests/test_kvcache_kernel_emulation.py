@@ -794,3 +794,61 @@ def test_tiled_pass_reads_key_channels_at_different_widths(options: str, counts:
             ref = _reference_of(cache).attention(queries, None, None, scale=head_dim**-0.5, mask=None)
             error = float(mx.max(mx.abs(out - ref)))
             assert np.isfinite(error) and error <= 2e-3, (spec, head_dim, tokens, error)
+
+
+# KIVI's chunk encode in one launch (kernels/kivi_encode.py): (spec, key width counts from the narrowest width or None,
+# its narrowest width, head_dim, dtype). The 3-bit level's layout (widths 2-5, outliers, symmetric values), the 4-bit
+# one's (MLX's affine rule for both roles), min..max keys in float16, and 1-bit channels among widths 1-4.
+KIVI_ENCODE_CASES = (
+    ("kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1", (40, 56, 24, 8), 2,
+     128, mx.bfloat16),
+    ("kivi:k4v4:g64:key_block=128:rotate_values=true", None, 0, 128, mx.bfloat16),
+    ("kivi:k4v4:g32:key_block=64:minmax_keys=true:key_outliers=1", None, 0, 64, mx.float16),
+    ("kivi:k2v2:g64:key_block=128:key_outliers=1", (40, 56, 24, 8), 1, 128, mx.bfloat16),
+    ("kivi:k3v3:g64:key_block=128", (64, 0, 64), 2, 128, mx.bfloat16),
+)
+
+
+def _kivi_chunk(tokens: int, head_dim: int, dtype: mx.Dtype, seed: int) -> tuple[mx.array, mx.array]:
+    """Keys with per-channel offsets and spreads (some channels' blocks all negative, some all positive), 1 % spikes
+    and ties (16-bit entries repeat), and values about zero."""
+    rng = np.random.default_rng(seed)
+    offsets = rng.uniform(-6, 6, (1, N_KV, 1, head_dim))
+    spreads = rng.uniform(0.05, 3, (1, N_KV, 1, head_dim))
+    keys = rng.standard_normal((1, N_KV, tokens, head_dim)) * spreads + offsets
+    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
+    values = rng.standard_normal((1, N_KV, tokens, head_dim))
+    return mx.array(keys.astype(np.float32)).astype(dtype), mx.array(values.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize(("spec", "counts", "narrowest", "head_dim", "dtype"), KIVI_ENCODE_CASES)
+def test_emulated_kivi_encode_kernel_matches_reference(spec: str, counts, narrowest: int, head_dim: int,  # noqa: ANN001
+                                                       dtype: mx.Dtype) -> None:
+    """Every store entry of a chunk encoded in one launch equals the reference's (the operations of
+    `quantize_key_blocks` and `quantize_value_groups` on the CPU): codes, 16-bit scales and biases, outlier indices;
+    outlier residuals within one float16 step (the decoded entry they subtract may round once more or less)."""
+    from engine.kvcache.kernels import kivi_encode
+
+    if counts is not None:
+        spec += f":key_widths={registered_width_table(counts, N_KV, seed=5, narrowest=narrowest)}"
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 2 * N_KV, N_KV, head_dim)).build()[0]
+    keys, values = _kivi_chunk(3 * cache.token_block, head_dim, dtype, seed=len(spec))
+    cache._setup_from(keys, values)
+    values = cache._values_in(values).astype(dtype)
+    launches = []
+    real = kivi_encode.kivi_encode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.kvcache.methods.kivi.kivi_encode", lambda *a: launches.append(1) or real(*a))
+        fused = cache._encode(keys, values)
+    reference = _reference_of(cache)._encode(keys, values)
+    assert launches == [1]
+    assert list(fused) == list(reference)
+    for name, ref in reference.items():
+        got = fused[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if "residuals" in name:
+            step = mx.abs(ref.astype(mx.float32)) * 2**-10 + 2**-24
+            assert bool(mx.all(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)) <= step)), name
+        else:
+            assert bool(mx.array_equal(got, ref)), (name, float(mx.mean((got != ref).astype(mx.float32))))

@@ -28,6 +28,7 @@ from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, na
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
+from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
 from tests.kvcache_helpers import filled_then_stepped, registered_width_table
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
@@ -48,6 +49,8 @@ ALL_SOURCES = (
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
+    *(kivi_encode_source(classes, outliers, symmetric) for classes in (1, 4) for outliers in (False, True)
+      for symmetric in (False, True)),
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -205,6 +208,18 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
             units.append(_cuda_unit(dequantize_source(key, value), dtypes | {"n_comp_r": mx.uint8, "sk": mx.float16},
                                     {"keys": mx.bfloat16, "values": mx.bfloat16},
                                     {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16}))
+    # KIVI's chunk encode: four key width classes with outliers and symmetric values (the 3-bit level), one class
+    # without either (the 4-bit level's values keep biases)
+    for classes, outliers, symmetric in ((4, True, True), (1, False, False)):
+        source = kivi_encode_source(classes, outliers, symmetric)
+        dtypes = {"keys": mx.bfloat16, "values": mx.bfloat16, "kord": mx.uint8, "kends": mx.int32, "kwid": mx.int32}
+        dtypes |= {name: {"c": mx.uint32, "s": mx.bfloat16, "b": mx.bfloat16, "r": mx.float16, "i": mx.uint8}[name[1]]
+                   for name in source.output_names if name[0] == "k"}
+        dtypes |= {"vc": mx.uint32, "vs": mx.bfloat16, "vb": mx.bfloat16}
+        units.append(_cuda_unit(source, dtypes, dtypes,
+                                {"D": 128, "GK": 128, "NCL": classes, "ORD": int(classes > 1), "KQ": 0,
+                                 "VQ": 2 if symmetric else 0, "G": 64, "VB": 3, "NT": 128, "TD": mx.bfloat16,
+                                 "TDK": 1, "TR": mx.float16}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "ROT": 1,
                                                    "TO": mx.bfloat16}))
@@ -652,6 +667,56 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
             error = float(mx.max(mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
                                  / mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-3)))
             assert error <= 1e-2, (name, error)
+
+
+@needs_gpu
+@pytest.mark.parametrize("level", ["level4", "level3", "level3-widths", "minmax-f16"])
+def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KIVI's chunk encoded in one launch on the GPU (its backend let into KIVI_ENCODE_BACKENDS for the test) against
+    the reference's operations on the CPU: codes, 16-bit scales and biases, outlier indices and residuals. A GPU may
+    divide a value onto the other side of a code boundary: at most 1 in 1,000 packed words or entries differ, and a
+    scale or bias only by a 16-bit step."""
+    from engine.kvcache.kernels import kivi_encode
+    from engine.kvcache.quant import fused
+
+    monkeypatch.setattr(kivi_encode, "KIVI_ENCODE_BACKENDS", (available_backend(),))
+    monkeypatch.setattr(fused, "COMPILE_ENCODE", False)
+    level3 = "kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1"
+    spec, dtype, rules = {
+        "level4": ("kivi:k4v4:g64:s4:key_block=128:rotate_values=true", mx.bfloat16, ("affine", "affine")),
+        "level3": (level3, mx.bfloat16, ("affine", "symmetric")),
+        "level3-widths": (f"{level3}:key_widths={registered_width_table((40, 56, 24, 8), 2, seed=5)}", mx.bfloat16,
+                          ("affine", "symmetric")),
+        "minmax-f16": ("kivi:k2v2:g64:key_block=128:minmax_keys=true:key_outliers=1:"
+                       f"key_widths={registered_width_table((40, 56, 24, 8), 2, seed=6, narrowest=1)}", mx.float16,
+                       ("minmax", "affine")),
+    }[level]
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((1, 2, 2048, 128)) * rng.uniform(0.05, 3, (1, 2, 1, 128)) + rng.uniform(-6, 6, (1, 2, 1, 128))
+    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
+    keys = mx.array(keys.astype(np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal((1, 2, 2048, 128)).astype(np.float32)).astype(dtype)
+    cache._setup_from(keys, values)
+    assert cache._encode_backend(*rules) == available_backend()
+    fused_store = cache._encode(keys, values)
+    mx.eval(fused_store)
+    reference_cache = copy.copy(cache)
+    reference_cache.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
+    with mx.stream(mx.cpu):
+        reference = reference_cache._encode(keys, values)
+        mx.eval(reference)
+    assert list(fused_store) == list(reference)
+    for name, ref in reference.items():
+        got = fused_store[name]
+        assert got.shape == ref.shape and got.dtype == ref.dtype, name
+        if ref.dtype in (mx.uint32, mx.uint8):
+            mismatched = float(mx.mean((got != ref).astype(mx.float32)))
+            assert mismatched <= 1e-3, (name, mismatched)
+        else:
+            ref32, got32 = ref.astype(mx.float32), got.astype(mx.float32)
+            off = mx.abs(got32 - ref32) > mx.abs(ref32) * 2**-7 + 1e-6
+            assert float(mx.mean(off.astype(mx.float32))) <= 1e-3, name
 
 
 @needs_gpu

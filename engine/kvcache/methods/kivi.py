@@ -137,6 +137,8 @@ from engine.kvcache import kernels as _kernels
 from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
 from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig, parse_wide_layers
 from engine.kvcache.kernels import Codec
+from engine.kvcache.kernels.kivi_encode import kivi_encode
+from engine.kvcache.kernels.kivi_encode import supported as kivi_encode_supported
 from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
@@ -763,6 +765,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if self._rope is not None:  # these tokens are compressed tokens n_compressed, ... (= their positions)
             keys = self._rope.rotate(keys, self._n_compressed, inverse=True).astype(keys.dtype)
         rows = self._width_rows
+        backend = self._encode_backend(key_quantizer, value_quantizer)
+        if backend is not None:  # one launch for both roles (kernels/kivi_encode.py)
+            return kivi_encode(keys, values, rows, self._key_order if rows else None, self.config.key_bits,
+                               self.token_block, key_quantizer, bool(options.get("key_outliers", 0)),
+                               self.config.group_size, self.config.value_bits, value_quantizer, backend)
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         key_store = quantize_key_blocks(keys.swapaxes(-1, -2), self._key_order if rows else None, rows,
                                         self.token_block, self.config.key_bits, key_quantizer,
@@ -770,6 +777,20 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         value_store = quantize_value_groups(values, self.config.group_size, self.config.value_bits, value_quantizer,
                                             self.grid_of(self.config, "value"))
         return {**value_store, **key_store}
+
+    def _encode_backend(self, key_quantizer: str, value_quantizer: str) -> str | None:
+        """The kernel backend that encodes this cache's chunks in one launch (kernels/kivi_encode.py), or None: the
+        reference's operations (kernels off, no GPU, or a rule the kernel lacks: clip search, grids)."""
+        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
+            return None
+        backend = _kernels.available_backend()
+        rows = self._width_rows
+        widths = tuple(width for width, _, _ in rows) if rows else (self.config.key_bits,)
+        grids = self.grid_of(self.config, "key") is not None or self.grid_of(self.config, "value") is not None
+        if not kivi_encode_supported(key_quantizer, value_quantizer, widths, self.config.group_size, self.token_block,
+                                     self._k_head_dim, backend, grids) or self._v_head_dim != self._k_head_dim:
+            return None
+        return backend
 
     def _plain_keys(self, store: dict[str, mx.array], *, float32_scales: bool) -> mx.array:
         """Decoded Kᵀ [.., D, T] of affine keys (no grid), outliers restored; key_widths: every width's channels
