@@ -670,7 +670,7 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
 
 
 @needs_gpu
-@pytest.mark.parametrize("level", ["level4", "level3", "level3-widths", "minmax-f16"])
+@pytest.mark.parametrize("level", ["level4", "level3", "level3-widths", "level2-widths", "minmax-f16"])
 def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's chunk encoded in one launch on the GPU (its backend let into KIVI_ENCODE_BACKENDS for the test) against
     the reference's operations on the CPU: codes, 16-bit scales and biases, outlier indices and residuals. A GPU may
@@ -687,6 +687,9 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
         "level3": (level3, mx.bfloat16, ("affine", "symmetric")),
         "level3-widths": (f"{level3}:key_widths={registered_width_table((40, 56, 24, 8), 2, seed=5)}", mx.bfloat16,
                           ("affine", "symmetric")),
+        "level2-widths": ("kivi:k2v2:g64:s4:clip_search=true:key_block=128:rotate_values=true:"
+                          f"key_widths={registered_width_table((40, 56, 24, 8), 2, seed=7, narrowest=1)}", mx.bfloat16,
+                          ("clipped", "clipped")),
         "minmax-f16": ("kivi:k2v2:g64:key_block=128:minmax_keys=true:key_outliers=1:"
                        f"key_widths={registered_width_table((40, 56, 24, 8), 2, seed=6, narrowest=1)}", mx.float16,
                        ("minmax", "affine")),

@@ -25,7 +25,11 @@ The arithmetic is the reference's on the CPU, exactly (the tests compare every e
 * outliers (`split_block_outliers`, `block_residuals`): the entry whose removal shrinks the block's range most (the
   first of equal maxima or minima), replaced by its neighbour in sorted order; stored as its float16 residual against
   the decoded block.
-The clip search (clip_search, the 2-bit level) and grids keep the reference path: `supported` says so.
+* the clip search (`clipped_quantize`, clip_search: the 2-bit level): each candidate range (CLIP_RATIOS about the
+  group's midpoint, at 1 bit also the two means) coded by the affine rule and its squared error summed, the first
+  least kept. Its sums run in another order than MLX's reductions, so two candidates within float rounding of each
+  other may be chosen the other way (the tests allow 1 group in 1,000).
+Grids (key_grid, value_grid) keep the reference path: `supported` says so.
 
 A GPU divides in IEEE single precision as the CPU does unless a compiler contracts or approximates; a value that lands
 within float rounding of a code boundary may then take the neighbouring code (the GPU parity test allows 1 in 1,000
@@ -45,8 +49,8 @@ THREADS = 128
 # (tests/test_kvcache_kernel_emulation.py). CUDA and Metal: not yet run on a GPU (a GPU parity run admits them).
 KIVI_ENCODE_BACKENDS: tuple[str, ...] = ("emulate",)
 # Quantizer names as the cache's encode names them (kivi._QUANTIZERS) -> the kernel's codes for them.
-KEY_QUANTIZERS = {"affine": 0, "minmax": 1}
-VALUE_QUANTIZERS = {"affine": 0, "minmax": 1, "symmetric": 2}
+KEY_QUANTIZERS = {"affine": 0, "minmax": 1, "clipped": 3}
+VALUE_QUANTIZERS = {"affine": 0, "minmax": 1, "symmetric": 2, "clipped": 3}
 MAX_CLASSES = 4
 _KINDS_16 = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}  # TDK
 
@@ -62,42 +66,112 @@ _HEADER = """
     } \\
     pos += (bits); }
 
-// KEPT(v): v as the store keeps it in the 16-bit type TD (TDK: 1 bfloat16, 2 float16, 0 float32), as a float. The CPU
-// emulator holds 16-bit arrays as float, so there it rounds by hand, to nearest even as MLX's casts do.
+// keep16<T, K16>(v): v as the store keeps it in the 16-bit type T (K16: 1 bfloat16, 2 float16, 0 float32), as a float.
+// The CPU emulator holds 16-bit arrays as float, so there it rounds by hand, to nearest even as MLX's casts do.
 #ifdef EMU_ARRAYS
-INLINE float emu_keep16(float v, int kind) {
-  if (kind == 2) return (float)(_Float16)v;
-  if (kind == 0) return v;
-  U32 u = AS_U32(v);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  return AS_F32(u);
+template <typename T, int K16>
+INLINE float keep16(float v) {
+  if (K16 == 2) return (float)(_Float16)v;
+  if (K16 == 0) return v;
+  const U32 u = AS_U32(v);
+  return AS_F32((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
-#define KEPT(v) emu_keep16((v), TDK)
 #else
-#define KEPT(v) ((float)static_cast<TD>(v))
+template <typename T, int K16>
+INLINE float keep16(float v) { return (float)static_cast<T>(v); }
 #endif
 
-// MLX's affine rule (its CPU backend's `mx.quantize`) for a group over [lo, hi] at `bits` bits: the scale and bias the
-// codes are chosen against (float32; the store keeps them rounded to 16 bits).
-INLINE void affine_rule(float lo, float hi, int bits, THREAD float& scale, THREAD float& bias) {
-  float s = FMAX((hi - lo) / (float)((1 << bits) - 1), 1e-7f);
-  const bool side = fabs(lo) > fabs(hi);
-  s = side ? s : -s;
-  const float edge = side ? lo : hi;
-  const float q0 = RINT(edge / s);
-  scale = q0 == 0.0f ? s : edge / q0;
-  bias = q0 == 0.0f ? 0.0f : edge;
+// A group's entry i: x[i * stride], or `fill` at index `at` (a key block's outlier, set aside).
+template <typename T>
+INLINE float entry(const GLOBAL T* x, long stride, int i, int at, float fill) {
+  return i == at ? fill : (float)x[i * stride];
+}
+
+// The scale and bias a group over [lo, hi] is coded against at `bits` bits, and the 16-bit ones the store keeps. Rule
+// 0: MLX's affine rule as its CPU backend's `mx.quantize` computes it (the group's larger-magnitude end made a code;
+// codes against the float32 scale and bias); rule 1 (and every 1-bit group): min..max, codes against the kept ones.
+template <typename T, int K16>
+INLINE void group_rule(float lo, float hi, int bits, int rule, THREAD float& scale, THREAD float& bias,
+                       THREAD float& kept_scale, THREAD float& kept_bias) {
+  const float levels = (float)((1 << bits) - 1);
+  if (rule == 0 && bits > 1) {
+    float s = FMAX((hi - lo) / levels, 1e-7f);
+    const bool side = fabs(lo) > fabs(hi);
+    s = side ? s : -s;
+    const float edge = side ? lo : hi;
+    const float q0 = RINT(edge / s);
+    scale = q0 == 0.0f ? s : edge / q0;
+    bias = q0 == 0.0f ? 0.0f : edge;
+    kept_scale = keep16<T, K16>(scale);
+    kept_bias = keep16<T, K16>(bias);
+  } else {
+    kept_scale = keep16<T, K16>((hi - lo) / levels);
+    kept_bias = keep16<T, K16>(lo);
+    scale = kept_scale > 0.0f ? kept_scale : 1.0f;
+    bias = kept_bias;
+  }
 }
 
 INLINE U32 group_code(float x, float scale, float bias, int bits) {
   return (U32)fmin(fmax(RINT((x - bias) / scale), 0.0f), (float)((1 << bits) - 1));
 }
+
+// The clip search (`kivi.clipped_quantize`, rule 3): of the candidate ranges, the group itself, then [mid - r half,
+// mid + r half] for r in CLIP_RATIOS and at 1 bit the two means, the first of least squared error against the entries
+// (each candidate's entries clipped and kept in 16 bits, coded by rule 0, decoded with the kept scale and bias).
+// Returns its bounds (`clipped` false: the group itself).
+template <typename T, int K16>
+INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fill, float lo, float hi, int bits,
+                        THREAD bool& clipped, THREAD float& bottom, THREAD float& top) {
+  const float mid = (lo + hi) / 2.0f;
+  const float half = (hi - lo) / 2.0f;
+  const int candidates = NCLIP + (bits == 1 ? 1 : 0);
+  float best = 0.0f;
+  clipped = false;
+  for (int k = 0; k < candidates; ++k) {
+    float b = lo, t = hi;
+    if (k == NCLIP) {                  // 1 bit: the two means, by Lloyd's iteration from min and max
+      for (int step = 0; step < TWO_MEANS; ++step) {
+        const float cut = (b + t) / 2.0f;
+        float upper = 0.0f, lower = 0.0f;
+        int n_upper = 0;
+        for (int i = 0; i < n; ++i) {
+          const float v = entry(x, stride, i, at, fill);
+          if (v >= cut) { upper += v; ++n_upper; } else { lower += v; }
+        }
+        t = n_upper > 0 ? upper / (float)n_upper : t;
+        b = n_upper < n ? lower / (float)(n - n_upper) : b;
+      }
+    } else if (k > 0) {
+      b = mid - CLIP_RATIO(k) * half;
+      t = mid + CLIP_RATIO(k) * half;
+    }
+    const float c_lo = k == 0 ? lo : keep16<T, K16>(fmin(fmax(lo, b), t));
+    const float c_hi = k == 0 ? hi : keep16<T, K16>(fmin(fmax(hi, b), t));
+    float scale, bias, kept_scale, kept_bias;
+    group_rule<T, K16>(c_lo, c_hi, bits, 0, scale, bias, kept_scale, kept_bias);
+    float error = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float v = entry(x, stride, i, at, fill);
+      const float c = k == 0 ? v : keep16<T, K16>(fmin(fmax(v, b), t));
+      const float decoded = (float)group_code(c, scale, bias, bits) * kept_scale + kept_bias;
+      error += (decoded - v) * (decoded - v);
+    }
+    if (k == 0 || error < best) {
+      best = error;
+      clipped = k > 0;
+      bottom = b;
+      top = t;
+    }
+  }
+}
 """
 
 _BODY = """
   // Template: D, GK (key block), NCL (key width classes: 1 without widths), ORD (key rows in a stored order), KQ, VQ
-  // (the rules: 0 MLX's affine, 1 min..max, 2 symmetric), G (value group), VB (value bits), TD (the 16-bit type of
-  // scales and biases) and TDK (which one), TR (float16: the outliers' residuals). Defines: KO (outliers), VSYM.
+  // (the rules: 0 MLX's affine, 1 min..max, 2 symmetric, 3 the clip search), G (value group), VB (value bits), TD (the
+  // 16-bit type of scales and biases) and TDK (which one), TR (float16: the outliers' residuals). Defines: KO
+  // (outliers), VSYM (values without biases), NCLIP, CLIP_RATIO(k), TWO_MEANS (the clip search's candidates).
   const long B = (long)keys_shape[0];
   const int H = (int)keys_shape[1];
   const long T = (long)keys_shape[2];
@@ -133,27 +207,27 @@ _BODY = """
     const bool take_top = (top - top2) >= (low2 - low);
     const int at = KO ? (take_top ? top_at : low_at) : -1;
     const float fill = take_top ? top2 : low2;
-    const float hi = KO && take_top ? top2 : top;
-    const float lo = KO && !take_top ? low2 : low;
-    float scale, bias, kept_scale, kept_bias;
-    if (KQ == 0 && w > 1) {
-      affine_rule(lo, hi, w, scale, bias);
-      kept_scale = KEPT(scale);
-      kept_bias = KEPT(bias);
-    } else {                            // min..max (every 1-bit channel too): codes against the kept scale and bias
-      kept_scale = KEPT((hi - lo) / (float)((1 << w) - 1));
-      kept_bias = KEPT(lo);
-      scale = kept_scale > 0.0f ? kept_scale : 1.0f;
-      bias = kept_bias;
+    float hi = KO && take_top ? top2 : top;
+    float lo = KO && !take_top ? low2 : low;
+    bool clipped = false;
+    float bottom = lo, ceiling = hi;
+    if (KQ == 3) {
+      clip_search<TD, TDK>(x, D, GK, at, fill, lo, hi, w, clipped, bottom, ceiling);
+      if (clipped) {
+        lo = keep16<TD, TDK>(fmin(fmax(lo, bottom), ceiling));
+        hi = keep16<TD, TDK>(fmin(fmax(hi, bottom), ceiling));
+      }
     }
+    float scale, bias, kept_scale, kept_bias;
+    group_rule<TD, TDK>(lo, hi, w, KQ == 1 ? 1 : 0, scale, bias, kept_scale, kept_bias);
     const long words = (long)GK * w / 32;
     GLOBAL U32* dst = PICK_CLASS(cl, kc) + row * (nb * words) + b * words;
     int pos = 0;
     U32 acc = 0u;
     U32 outlier_code = 0u;
     for (int t = 0; t < GK; ++t) {
-      const float v = t == at ? fill : (float)x[(long)t * D];
-      const U32 code = group_code(v, scale, bias, w);
+      const float v = entry(x, (long)D, t, at, fill);
+      const U32 code = group_code(clipped ? keep16<TD, TDK>(fmin(fmax(v, bottom), ceiling)) : v, scale, bias, w);
       if (t == at) outlier_code = code;
       PACK_CODE(dst, code, w, pos, acc);
     }
@@ -179,28 +253,30 @@ _BODY = """
       hi = fmax(hi, v);
     }
     const float half = (float)((1 << VB) - 1) / 2.0f;
+    bool clipped = false;
+    float bottom = lo, ceiling = hi;
+    if (VQ == 3) {
+      clip_search<TD, TDK>(x, 1, G, -1, 0.0f, lo, hi, VB, clipped, bottom, ceiling);
+      if (clipped) {
+        lo = keep16<TD, TDK>(fmin(fmax(lo, bottom), ceiling));
+        hi = keep16<TD, TDK>(fmin(fmax(hi, bottom), ceiling));
+      }
+    }
     float scale, bias, kept_scale, kept_bias;
     if (VQ == 2) {                      // symmetric: x = s (code - h), s = max|x| / h
-      kept_scale = KEPT(fmax(fabs(lo), fabs(hi)) / half);
+      kept_scale = keep16<TD, TDK>(fmax(fabs(lo), fabs(hi)) / half);
       kept_bias = 0.0f;
       scale = kept_scale > 0.0f ? kept_scale : 1.0f;
       bias = 0.0f;
-    } else if (VQ == 0 && VB > 1) {
-      affine_rule(lo, hi, VB, scale, bias);
-      kept_scale = KEPT(scale);
-      kept_bias = KEPT(bias);
     } else {
-      kept_scale = KEPT((hi - lo) / (float)((1 << VB) - 1));
-      kept_bias = KEPT(lo);
-      scale = kept_scale > 0.0f ? kept_scale : 1.0f;
-      bias = kept_bias;
+      group_rule<TD, TDK>(lo, hi, VB, VQ == 1 ? 1 : 0, scale, bias, kept_scale, kept_bias);
     }
     constexpr int words = G * VB / 32;
     GLOBAL U32* dst = vc + token * (D * VB / 32) + g * words;
     int pos = 0;
     U32 acc = 0u;
     for (int c = 0; c < G; ++c) {
-      const float v = (float)x[c];
+      const float v = clipped ? keep16<TD, TDK>(fmin(fmax((float)x[c], bottom), ceiling)) : (float)x[c];
       const U32 code = VQ == 2 ? (U32)fmin(fmax(RINT(v / scale + half), 0.0f), 2.0f * half)
                                : group_code(v, scale, bias, VB);
       PACK_CODE(dst, code, VB, pos, acc);
@@ -223,36 +299,45 @@ def supported(key_quantizer: str, value_quantizer: str, widths: tuple[int, ...],
 
 
 @functools.cache
-def encode_source(classes: int, outliers: bool, symmetric_values: bool) -> KernelSource:
+def encode_source(classes: int, outliers: bool, symmetric_values: bool,
+                  clip: tuple[tuple[float, ...], int] = ((1.0,), 0)) -> KernelSource:
     """The encode kernel for `classes` key width classes (one output set each), with or without outliers and value
-    biases."""
+    biases; `clip`: the clip search's ratios (the first 1.0, the group itself) and its two means' Lloyd steps
+    (kivi.CLIP_RATIOS, kivi.TWO_MEANS_STEPS)."""
     parts = "csbri" if outliers else "csb"
     key_outputs = tuple(f"k{part}{c}" for c in range(classes) for part in parts)
     value_outputs = ("vc", "vs") if symmetric_values else ("vc", "vs", "vb")
     pick = f"name##{classes - 1}"  # PICK_CLASS(c, kc): class c's output kc<c>
     for c in reversed(range(classes - 1)):
         pick = f"((c) == {c} ? name##{c} : {pick})"
+    ratios, steps = clip
+    ratio = "0.0f"
+    for k in reversed(range(1, len(ratios))):
+        ratio = f"((k) == {k} ? {float(ratios[k])!r}f : {ratio})"
+    clip_defines = f"#define NCLIP {len(ratios)}\n#define CLIP_RATIO(k) {ratio}\n#define TWO_MEANS {int(steps)}\n"
     return KernelSource(
         name=f"velox_kivi_encode_{classes}{'_o' if outliers else ''}{'_s' if symmetric_values else ''}",
         input_names=("keys", "values", "kord", "kends", "kwid"),
         output_names=(*key_outputs, *value_outputs),
         body=_BODY,
-        header=_HEADER,
+        header=clip_defines + _HEADER,
         defines=f"#define PICK_CLASS(c, name) {pick}\n#define KO {int(outliers)}\n#define VSYM {int(symmetric_values)}\n",
     )
 
 
 def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, int], ...] | None,
                 key_order: mx.array | None, key_bits: int, key_block: int, key_quantizer: str, outliers: bool,
-                group_size: int, value_bits: int, value_quantizer: str, backend: str) -> dict[str, mx.array]:
+                group_size: int, value_bits: int, value_quantizer: str, backend: str,
+                clip: tuple[tuple[float, ...], int] = ((1.0,), 0)) -> dict[str, mx.array]:
     """The store entries of new keys and values [B, n_kv, T, D] (T a multiple of `key_block`) as
     `kivi.quantize_key_blocks` and `kivi.quantize_value_groups` give them: keys per channel over blocks of
     `key_block` tokens (with `widths`, each width's (width, first row, end row) in the storage order `key_order`
-    [n_kv, D], entries named for the width), values per token in groups of `group_size` channels."""
+    [n_kv, D], entries named for the width), values per token in groups of `group_size` channels; `clip`: the clip
+    search's ratios and two-means steps, for the quantizer "clipped"."""
     batch, n_kv, tokens, head_dim = keys.shape
     classes = widths or ((key_bits, 0, head_dim),)
     symmetric = value_quantizer == "symmetric"
-    source = encode_source(len(classes), outliers, symmetric)
+    source = encode_source(len(classes), outliers, symmetric, clip)
     blocks = tokens // key_block
     key_jobs = batch * n_kv * blocks * head_dim
     value_jobs = batch * n_kv * tokens * (head_dim // group_size)

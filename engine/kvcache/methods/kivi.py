@@ -769,7 +769,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         if backend is not None:  # one launch for both roles (kernels/kivi_encode.py)
             return kivi_encode(keys, values, rows, self._key_order if rows else None, self.config.key_bits,
                                self.token_block, key_quantizer, bool(options.get("key_outliers", 0)),
-                               self.config.group_size, self.config.value_bits, value_quantizer, backend)
+                               self.config.group_size, self.config.value_bits, value_quantizer, backend,
+                               (CLIP_RATIOS, TWO_MEANS_STEPS))
         # [.., T, D] -> [.., D, T]: groups of G along the token axis = one block per channel.
         key_store = quantize_key_blocks(keys.swapaxes(-1, -2), self._key_order if rows else None, rows,
                                         self.token_block, self.config.key_bits, key_quantizer,
