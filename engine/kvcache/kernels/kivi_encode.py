@@ -55,6 +55,10 @@ MAX_CLASSES = 4
 _KINDS_16 = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}  # TDK
 
 _HEADER = """
+// min, max and abs through the dialect's FMAX (exact for the finite entries a cache holds)
+#define MIN2(a, b) (-FMAX(-(a), -(b)))
+#define MAX2(a, b) FMAX((a), (b))
+#define ABS1(x) FMAX((x), -(x))
 // Codes of a group into a little-endian bit stream of `bits`-bit codes (Velox's pack_bits, MLX's affine packing):
 // `acc` gathers bits from `pos` on, and each filled 32-bit word is stored at dst[word].
 #define PACK_CODE(dst, code, bits, pos, acc) { \\
@@ -96,7 +100,7 @@ INLINE void group_rule(float lo, float hi, int bits, int rule, THREAD float& sca
   const float levels = (float)((1 << bits) - 1);
   if (rule == 0 && bits > 1) {
     float s = FMAX((hi - lo) / levels, 1e-7f);
-    const bool side = fabs(lo) > fabs(hi);
+    const bool side = ABS1(lo) > ABS1(hi);
     s = side ? s : -s;
     const float edge = side ? lo : hi;
     const float q0 = RINT(edge / s);
@@ -113,7 +117,7 @@ INLINE void group_rule(float lo, float hi, int bits, int rule, THREAD float& sca
 }
 
 INLINE U32 group_code(float x, float scale, float bias, int bits) {
-  return (U32)fmin(fmax(RINT((x - bias) / scale), 0.0f), (float)((1 << bits) - 1));
+  return (U32)MIN2(MAX2(RINT((x - bias) / scale), 0.0f), (float)((1 << bits) - 1));
 }
 
 // The clip search (`kivi.clipped_quantize`, rule 3): of the candidate ranges, the group itself, then [mid - r half,
@@ -146,14 +150,14 @@ INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fil
       b = mid - CLIP_RATIO(k) * half;
       t = mid + CLIP_RATIO(k) * half;
     }
-    const float c_lo = k == 0 ? lo : keep16<T, K16>(fmin(fmax(lo, b), t));
-    const float c_hi = k == 0 ? hi : keep16<T, K16>(fmin(fmax(hi, b), t));
+    const float c_lo = k == 0 ? lo : keep16<T, K16>(MIN2(MAX2(lo, b), t));
+    const float c_hi = k == 0 ? hi : keep16<T, K16>(MIN2(MAX2(hi, b), t));
     float scale, bias, kept_scale, kept_bias;
     group_rule<T, K16>(c_lo, c_hi, bits, 0, scale, bias, kept_scale, kept_bias);
     float error = 0.0f;
     for (int i = 0; i < n; ++i) {
       const float v = entry(x, stride, i, at, fill);
-      const float c = k == 0 ? v : keep16<T, K16>(fmin(fmax(v, b), t));
+      const float c = k == 0 ? v : keep16<T, K16>(MIN2(MAX2(v, b), t));
       const float decoded = (float)group_code(c, scale, bias, bits) * kept_scale + kept_bias;
       error += (decoded - v) * (decoded - v);
     }
@@ -214,8 +218,8 @@ _BODY = """
     if (KQ == 3) {
       clip_search<TD, TDK>(x, D, GK, at, fill, lo, hi, w, clipped, bottom, ceiling);
       if (clipped) {
-        lo = keep16<TD, TDK>(fmin(fmax(lo, bottom), ceiling));
-        hi = keep16<TD, TDK>(fmin(fmax(hi, bottom), ceiling));
+        lo = keep16<TD, TDK>(MIN2(MAX2(lo, bottom), ceiling));
+        hi = keep16<TD, TDK>(MIN2(MAX2(hi, bottom), ceiling));
       }
     }
     float scale, bias, kept_scale, kept_bias;
@@ -227,7 +231,7 @@ _BODY = """
     U32 outlier_code = 0u;
     for (int t = 0; t < GK; ++t) {
       const float v = entry(x, (long)D, t, at, fill);
-      const U32 code = group_code(clipped ? keep16<TD, TDK>(fmin(fmax(v, bottom), ceiling)) : v, scale, bias, w);
+      const U32 code = group_code(clipped ? keep16<TD, TDK>(MIN2(MAX2(v, bottom), ceiling)) : v, scale, bias, w);
       if (t == at) outlier_code = code;
       PACK_CODE(dst, code, w, pos, acc);
     }
@@ -249,8 +253,8 @@ _BODY = """
     float lo = inf, hi = -inf;
     for (int c = 0; c < G; ++c) {
       const float v = (float)x[c];
-      lo = fmin(lo, v);
-      hi = fmax(hi, v);
+      lo = MIN2(lo, v);
+      hi = MAX2(hi, v);
     }
     const float half = (float)((1 << VB) - 1) / 2.0f;
     bool clipped = false;
@@ -258,13 +262,13 @@ _BODY = """
     if (VQ == 3) {
       clip_search<TD, TDK>(x, 1, G, -1, 0.0f, lo, hi, VB, clipped, bottom, ceiling);
       if (clipped) {
-        lo = keep16<TD, TDK>(fmin(fmax(lo, bottom), ceiling));
-        hi = keep16<TD, TDK>(fmin(fmax(hi, bottom), ceiling));
+        lo = keep16<TD, TDK>(MIN2(MAX2(lo, bottom), ceiling));
+        hi = keep16<TD, TDK>(MIN2(MAX2(hi, bottom), ceiling));
       }
     }
     float scale, bias, kept_scale, kept_bias;
     if (VQ == 2) {                      // symmetric: x = s (code - h), s = max|x| / h
-      kept_scale = keep16<TD, TDK>(fmax(fabs(lo), fabs(hi)) / half);
+      kept_scale = keep16<TD, TDK>(MAX2(ABS1(lo), ABS1(hi)) / half);
       kept_bias = 0.0f;
       scale = kept_scale > 0.0f ? kept_scale : 1.0f;
       bias = 0.0f;
@@ -276,8 +280,8 @@ _BODY = """
     int pos = 0;
     U32 acc = 0u;
     for (int c = 0; c < G; ++c) {
-      const float v = clipped ? keep16<TD, TDK>(fmin(fmax((float)x[c], bottom), ceiling)) : (float)x[c];
-      const U32 code = VQ == 2 ? (U32)fmin(fmax(RINT(v / scale + half), 0.0f), 2.0f * half)
+      const float v = clipped ? keep16<TD, TDK>(MIN2(MAX2((float)x[c], bottom), ceiling)) : (float)x[c];
+      const U32 code = VQ == 2 ? (U32)MIN2(MAX2(RINT(v / scale + half), 0.0f), 2.0f * half)
                                : group_code(v, scale, bias, VB);
       PACK_CODE(dst, code, VB, pos, acc);
     }
