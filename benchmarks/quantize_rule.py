@@ -9,6 +9,11 @@ emulating each in NumPy with the scale and bias kept in bfloat16 as the store ke
 
     python benchmarks/quantize_rule.py --out benchmarks/results/quantize-rule-cpu.json
 
+On a GPU, `--groups` instead quantizes three 128-entry groups (all negative, all positive, both signs) with
+`mx.quantize` on the GPU and on the CPU stream, each decoded on its own device (the rule as a GPU runs it):
+
+    python benchmarks/quantize_rule.py --groups --out benchmarks/results/quantize-rule-h200.json
+
 Velox's KIVI encode kernel (engine/kvcache/kernels/kivi_encode.py) follows the CPU rule on every backend.
 """
 
@@ -51,11 +56,42 @@ def decoded(groups, bits: int, gpu: bool):  # noqa: ANN001, ANN201 - NumPy array
     return codes * kept(scale) + kept(bias)
 
 
+def groups_on_device(out: Path) -> int:
+    """Three 128-entry bfloat16 groups quantized at 3 bits by `mx.quantize` on the default device and on the CPU."""
+    import mlx.core as mx
+
+    rows = []
+    for low, high in ((-7.0, -5.0), (5.0, 7.0), (-7.0, 5.0)):
+        group = mx.linspace(low, high, BLOCK).reshape(1, BLOCK).astype(mx.bfloat16)
+        row: dict[str, object] = {"group": f"{low}..{high}"}
+        for name, stream in (("gpu", mx.default_stream(mx.default_device())), ("cpu", mx.cpu)):
+            with mx.stream(stream):
+                codes, scales, biases = mx.quantize(group, group_size=BLOCK, bits=3)
+                error = mx.abs(mx.dequantize(codes, scales, biases, group_size=BLOCK, bits=3).astype(mx.float32)
+                               - group.astype(mx.float32)).max()
+                row |= {f"{name}_scale": scales.astype(mx.float32).item(), f"{name}_bias": biases.astype(mx.float32).item(),
+                        f"{name}_max_error": error.item()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out.write_text(json.dumps({
+        "schema": "velox-bench/1", "kind": "quantize-rule-gpu", "device": str(mx.default_device()), "mlx": mx.__version__,
+        "rows": rows,
+        "note": "Each 128-entry bfloat16 group (mx.linspace(low, high, 128)) quantized at 3 bits by mx.quantize on the "
+                "default device ('gpu_') and on the CPU stream ('cpu_'), decoded by mx.dequantize on the same device; "
+                "max_error is the largest decoded error. Command: python benchmarks/quantize_rule.py --groups --out "
+                "<this file>.",
+    }, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--groups", action="store_true", help="the three groups on this device and the CPU")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.groups:
+        return groups_on_device(args.out)
 
     import mlx.core as mx
     import numpy as np

@@ -701,6 +701,26 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert close(two[29 + index], by_kernel[key]["prefill_tok_s"] / tiled_fp16), (two[29 + index], key)
     checked.append(two[0])
 
+    encoded = re.search(r"KIVI's chunks\s+are now encoded in one launch on a GPU: in the last run the 3-bit level prefilled "
+                        r"at (\d\.\d\d)× of the 16-bit cache's speed\s+\((\d\.\d\d)× with MLX's encode, in the same "
+                        r"run\) and the 4-bit level at (\d\.\d\d)× \((\d\.\d\d)×\), while the 2-bit level, whose "
+                        r"clip\s+search stays on MLX's operations there, measured (\d\.\d\d)× "
+                        r"\(`benchmarks/results/prefill-kivi-encode-h200.json`;", section, re.S)
+    assert encoded, "README no longer quotes the levels' prefill with KIVI's encode kernel"
+    run = json.loads((COMMITTED / "prefill-kivi-encode-h200.json").read_text())["prefill"]
+    run_fp16 = next(r for r in run if r["spec"] == "fp16")["prefill_tok_s"]
+    by_encode = {(KVCacheConfig.parse(r["spec"]).key_bits, "KIVI_ENCODE_BACKENDS" in r.get("kernel_constants", {})): r
+                 for r in run if r["spec"].startswith("kivi")}
+    for index, key in enumerate(((3, True), (3, False), (4, True), (4, False), (2, False))):
+        spec = by_encode[key]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
+        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(key[0])).config), key
+        assert close(encoded[1 + index], by_encode[key]["prefill_tok_s"] / run_fp16), (encoded[1 + index], key)
+    from engine.kvcache.kernels.kivi_encode import CLIP_SEARCH_BACKENDS, KIVI_ENCODE_BACKENDS
+
+    assert "cuda" in KIVI_ENCODE_BACKENDS and "cuda" not in CLIP_SEARCH_BACKENDS
+    assert re.search(r"round 19\*\)\.", section[encoded.end():encoded.end() + 40])
+    checked.append(section[encoded.start():encoded.end() + 40])
+
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
                        r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
                        r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "

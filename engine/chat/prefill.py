@@ -27,19 +27,31 @@ from typing import Any
 import mlx.core as mx
 
 
+def pipelined_by_default(cache: list[Any], device: mx.Device) -> bool:
+    """Whether a prefill into `cache` on `device` records the next chunk while the current one runs: on a GPU, for
+    compressed caches. On a CPU the host and the device are the same cores, and pipelining (its first form, which
+    submitted the next chunk at once) gained nothing measurable there (SmolLM2, 1,024 tokens in 256-token chunks: 164
+    against 163 tok/s at 16 bits, 159 against 158 at the 4-bit level), while a cancel would wait for one more chunk.
+    On the H200 a 32k-token prefill of the app's compressed levels ran 8-12 % faster pipelined, but the 16-bit cache's
+    ran 23 % slower (5,654 against 7,301 tok/s; the first form: 27 % slower), for a reason not yet found
+    (benchmarks/results/prefill-kivi-encode-h200.json, prefill-pipelined-h200.json): a plain 16-bit cache records a
+    chunk in ~3.5 ms against 15-20 ms for a level, so it has little to hide."""
+    # the compressed caches' base: an encode, a history decode and store appends per chunk
+    from engine.kvcache.base import SegmentedKVCache
+
+    return device == mx.gpu and any(isinstance(layer, SegmentedKVCache) for layer in cache)
+
+
 def prefill_chunks(model: Any, cache: list[Any], tokens: Sequence[int] | mx.array, chunk: int,
                    cancel: threading.Event | None = None, pipelined: bool | None = None) -> Iterator[int]:
     """Feeds `tokens` (a list of ids, or an int array of shape [N]) through `model` into `cache`, `chunk` tokens at a
     time; after each chunk is evaluated, yields how many tokens have been evaluated so far. Stops recording chunks
     once `cancel` is set (pipelined, a chunk already recorded is still evaluated and counted). `pipelined` (default:
-    on a GPU) records the next chunk while the current one runs; on a CPU the host and the device are the same cores,
-    and pipelining (its first form, which submitted the next chunk at once) gained nothing measurable there (SmolLM2,
-    1,024 tokens in 256-token chunks: 164 against 163 tok/s at 16 bits, 159 against 158 at the 4-bit level), while a
-    cancel would wait for one more chunk."""
+    `pipelined_by_default`) records the next chunk while the current one runs."""
     prompt = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
     total = int(prompt.shape[0])
     step = max(1, chunk)
-    if not (mx.default_device() == mx.gpu if pipelined is None else pipelined):
+    if not (pipelined_by_default(cache, mx.default_device()) if pipelined is None else pipelined):
         for start in range(0, total, step):
             if cancel is not None and cancel.is_set():
                 return

@@ -45,9 +45,20 @@ import mlx.core as mx
 from engine.kvcache.kernels.backend import KernelSource, kernel
 
 THREADS = 128
-# Backends where KIVI's chunks encode through this kernel. The CPU emulator checks it against the reference
-# (tests/test_kvcache_kernel_emulation.py). CUDA and Metal: not yet run on a GPU (a GPU parity run admits them).
-KIVI_ENCODE_BACKENDS: tuple[str, ...] = ("emulate",)
+# Backends where KIVI's chunks encode through this kernel. The CPU emulator checks it against the reference, exactly
+# (tests/test_kvcache_kernel_emulation.py). CUDA passed the GPU parity test on the lent H200 (2026-12-03, commit
+# b26e05a; kernel-parity-kivi-encode-h200.log: the 4- and 3-bit levels' layouts, key widths, min..max keys in
+# float16), where one 8B-shaped layer's 2,048-token update at the 3-bit level's layout took 1.40 ms with it against
+# 2.64 ms through MLX (encode alone 0.52 against 1.19 ms; the 4-bit level's 1.16 against 1.23 ms, its encode 0.51
+# against 0.40), and a 32k-token prefill of the 3-bit level ran at 6,269 tok/s against 5,668 (fp16 7,301;
+# prefill-kivi-encode-h200.json). Metal runs the same body with its own prelude: enabled by construction, as the other
+# kernels here (no Mac here).
+KIVI_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+# Backends where the kernel also runs the clip search (the 2-bit level). On the H200 its parity run found 0.29 % of one
+# width's code words differing from the reference (about one group of ~256 choosing another candidate; presumably a
+# near tie, its errors summed in another order and a GPU contracting multiply-adds, not verified), over the test's 1 in
+# 1,000; it stays on MLX's operations there until a parity test that compares the candidates' errors passes.
+CLIP_SEARCH_BACKENDS: tuple[str, ...] = ("emulate",)
 # Quantizer names as the cache's encode names them (kivi._QUANTIZERS) -> the kernel's codes for them.
 KEY_QUANTIZERS = {"affine": 0, "minmax": 1, "clipped": 3}
 VALUE_QUANTIZERS = {"affine": 0, "minmax": 1, "symmetric": 2, "clipped": 3}
@@ -296,6 +307,8 @@ _BODY = """
 def supported(key_quantizer: str, value_quantizer: str, widths: tuple[int, ...], group_size: int, key_block: int,
               head_dim: int, backend: str | None, grids: bool = False) -> bool:
     """Whether this kernel encodes KIVI's chunks with these quantizers and widths on `backend`."""
+    if "clipped" in (key_quantizer, value_quantizer) and backend not in CLIP_SEARCH_BACKENDS:
+        return False
     return (backend in KIVI_ENCODE_BACKENDS and not grids and key_quantizer in KEY_QUANTIZERS
             and value_quantizer in VALUE_QUANTIZERS and 1 <= len(widths) <= MAX_CLASSES
             and all(1 <= w <= 8 for w in widths) and key_block % 32 == 0 and key_block <= 256
