@@ -32,10 +32,11 @@ def pipelined_by_default(cache: list[Any], device: mx.Device) -> bool:
     compressed caches. On a CPU the host and the device are the same cores, and pipelining (its first form, which
     submitted the next chunk at once) gained nothing measurable there (SmolLM2, 1,024 tokens in 256-token chunks: 164
     against 163 tok/s at 16 bits, 159 against 158 at the 4-bit level), while a cancel would wait for one more chunk.
-    On the H200 a 32k-token prefill of the app's compressed levels ran 8-12 % faster pipelined, but the 16-bit cache's
-    ran 23 % slower (5,654 against 7,301 tok/s; the first form: 27 % slower), for a reason not yet found
-    (benchmarks/results/prefill-kivi-encode-h200.json, prefill-pipelined-h200.json): a plain 16-bit cache records a
-    chunk in ~3.5 ms against 15-20 ms for a level, so it has little to hide."""
+    On the H200 a 32k-token prefill of the app's compressed levels ran faster pipelined in 7 of 8 runs (by 5-12 %),
+    while the 16-bit cache's pipelined prefill varied from 4,048 to 8,022 tok/s in three processes against a steady
+    7,254-7,301 fed chunk by chunk, for a reason not yet found (benchmarks/results/prefill-kivi-encode-h200.json,
+    prefill-clip-encode-h200.json): a plain 16-bit cache records a chunk in ~3.5 ms against 15-20 ms for a level, so it
+    has little to hide."""
     # the compressed caches' base: an encode, a history decode and store appends per chunk
     from engine.kvcache.base import SegmentedKVCache
 
