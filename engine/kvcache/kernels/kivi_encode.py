@@ -344,6 +344,13 @@ def encode_source(classes: int, outliers: bool, symmetric_values: bool,
     )
 
 
+@functools.cache
+def _int_array(values: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A small constant input (the classes' ends and widths, a placeholder order), made once per process: not an
+    upload per layer and chunk."""
+    return mx.array(values, dtype=dtype)
+
+
 def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, int], ...] | None,
                 key_order: mx.array | None, key_bits: int, key_block: int, key_quantizer: str, outliers: bool,
                 group_size: int, value_bits: int, value_quantizer: str, backend: str,
@@ -354,6 +361,8 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
     [n_kv, D], entries named for the width), values per token in groups of `group_size` channels; `clip`: the clip
     search's ratios and two-means steps, for the quantizer "clipped"."""
     batch, n_kv, tokens, head_dim = keys.shape
+    if tokens % key_block:
+        raise ValueError(f"KIVI encodes whole key blocks: {tokens} tokens are not a multiple of {key_block}.")
     classes = widths or ((key_bits, 0, head_dim),)
     symmetric = value_quantizer == "symmetric"
     source = encode_source(len(classes), outliers, symmetric, clip)
@@ -362,7 +371,7 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
     value_jobs = batch * n_kv * tokens * (head_dim // group_size)
     ends = [end for _, _, end in classes] + [head_dim] * (MAX_CLASSES - len(classes))
     width_of = [width for width, _, _ in classes] + [0] * (MAX_CLASSES - len(classes))
-    order = key_order if widths else mx.zeros((1, 1), dtype=mx.uint8)
+    order = key_order if widths else _int_array((0,), mx.uint8)
     shapes, dtypes = [], []
     for width, start, end in classes:
         rows = end - start
@@ -378,7 +387,7 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
         shapes.append(value_groups)
         dtypes.append(keys.dtype)
     outputs = kernel(source, backend)(
-        inputs=[keys, values, order, mx.array(ends, dtype=mx.int32), mx.array(width_of, dtype=mx.int32)],
+        inputs=[keys, values, order, _int_array(tuple(ends), mx.int32), _int_array(tuple(width_of), mx.int32)],
         template=[("D", head_dim), ("GK", key_block), ("NCL", len(classes)), ("ORD", int(bool(widths))),
                   ("KQ", KEY_QUANTIZERS[key_quantizer]), ("VQ", VALUE_QUANTIZERS[value_quantizer]),
                   ("G", group_size), ("VB", value_bits), ("NT", THREADS), ("TD", keys.dtype),
