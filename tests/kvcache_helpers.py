@@ -263,3 +263,19 @@ def registered_width_table(counts: tuple[int, ...], n_kv: int, seed: int, narrow
     rng = np.random.default_rng(seed)
     by_rank = np.repeat(np.arange(narrowest, narrowest + len(counts)), counts).astype(np.uint8)
     return register_table([np.stack([rng.permutation(by_rank) for _ in range(n_kv)])])
+
+
+def kivi_chunk(n_kv: int, tokens: int, head_dim: int, dtype, seed: int):  # noqa: ANN001, ANN201 - mx types
+    """A chunk (keys, values) [1, n_kv, tokens, head_dim] for KIVI's encode: keys with per-channel offsets and spreads
+    (some channels' blocks all negative, some all positive), 1 % spikes and ties (16-bit entries repeat), values about
+    zero."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    offsets = rng.uniform(-6, 6, (1, n_kv, 1, head_dim))
+    spreads = rng.uniform(0.05, 3, (1, n_kv, 1, head_dim))
+    keys = rng.standard_normal((1, n_kv, tokens, head_dim)) * spreads + offsets
+    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
+    values = rng.standard_normal((1, n_kv, tokens, head_dim))
+    return mx.array(keys.astype(np.float32)).astype(dtype), mx.array(values.astype(np.float32)).astype(dtype)

@@ -24,7 +24,7 @@ from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.decode import Codec
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
-from tests.kvcache_helpers import filled_then_stepped, registered_width_table
+from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, registered_width_table
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
                                                           "which is not on PATH")
@@ -812,18 +812,6 @@ KIVI_ENCODE_CASES = (
 )
 
 
-def _kivi_chunk(tokens: int, head_dim: int, dtype: mx.Dtype, seed: int) -> tuple[mx.array, mx.array]:
-    """Keys with per-channel offsets and spreads (some channels' blocks all negative, some all positive), 1 % spikes
-    and ties (16-bit entries repeat), and values about zero."""
-    rng = np.random.default_rng(seed)
-    offsets = rng.uniform(-6, 6, (1, N_KV, 1, head_dim))
-    spreads = rng.uniform(0.05, 3, (1, N_KV, 1, head_dim))
-    keys = rng.standard_normal((1, N_KV, tokens, head_dim)) * spreads + offsets
-    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
-    values = rng.standard_normal((1, N_KV, tokens, head_dim))
-    return mx.array(keys.astype(np.float32)).astype(dtype), mx.array(values.astype(np.float32)).astype(dtype)
-
-
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize(("spec", "counts", "narrowest", "head_dim", "dtype"), KIVI_ENCODE_CASES)
 def test_emulated_kivi_encode_kernel_matches_reference(spec: str, counts, narrowest: int, head_dim: int,  # noqa: ANN001
@@ -836,7 +824,7 @@ def test_emulated_kivi_encode_kernel_matches_reference(spec: str, counts, narrow
     if counts is not None:
         spec += f":key_widths={registered_width_table(counts, N_KV, seed=5, narrowest=narrowest)}"
     cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 2 * N_KV, N_KV, head_dim)).build()[0]
-    keys, values = _kivi_chunk(3 * cache.token_block, head_dim, dtype, seed=len(spec))
+    keys, values = kivi_chunk(N_KV, 3 * cache.token_block, head_dim, dtype, seed=len(spec))
     cache._setup_from(keys, values)
     values = cache._values_in(values).astype(dtype)
     launches = []

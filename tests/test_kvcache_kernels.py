@@ -29,7 +29,7 @@ from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
-from tests.kvcache_helpers import filled_then_stepped, registered_width_table
+from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, registered_width_table
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -698,11 +698,7 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
                        ("minmax", "affine")),
     }[level]
     cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
-    rng = np.random.default_rng(7)
-    keys = rng.standard_normal((1, 2, 2048, 128)) * rng.uniform(0.05, 3, (1, 2, 1, 128)) + rng.uniform(-6, 6, (1, 2, 1, 128))
-    keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
-    keys = mx.array(keys.astype(np.float32)).astype(dtype)
-    values = mx.array(rng.standard_normal((1, 2, 2048, 128)).astype(np.float32)).astype(dtype)
+    keys, values = kivi_chunk(2, 2048, 128, dtype, seed=7)
     cache._setup_from(keys, values)
     assert cache._encode_backend(*rules) == available_backend()
     fused_store = cache._encode(keys, values)

@@ -28,7 +28,7 @@ The arithmetic is the reference's on the CPU, exactly (the tests compare every e
 * the clip search (`clipped_quantize`, clip_search: the 2-bit level): each candidate range (CLIP_RATIOS about the
   group's midpoint, at 1 bit also the two means) coded by the affine rule and its squared error summed, the first
   least kept. Its sums run in another order than MLX's reductions, so two candidates within float rounding of each
-  other may be chosen the other way (the tests allow 1 group in 1,000).
+  other may be chosen the other way (the tests allow 1 in 1,000 stored entries to differ).
 Grids (key_grid, value_grid) keep the reference path: `supported` says so.
 
 A GPU divides in IEEE single precision as the CPU does unless a compiler contracts or approximates; a value that lands
