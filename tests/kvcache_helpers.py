@@ -279,3 +279,15 @@ def kivi_chunk(n_kv: int, tokens: int, head_dim: int, dtype, seed: int):  # noqa
     keys += (rng.random(keys.shape) < 0.01) * rng.choice([-15.0, 15.0], size=keys.shape)
     values = rng.standard_normal((1, n_kv, tokens, head_dim))
     return mx.array(keys.astype(np.float32)).astype(dtype), mx.array(values.astype(np.float32)).astype(dtype)
+
+
+def kivi_group_errors(cache, store, keys, values):  # noqa: ANN001, ANN201 - mx types
+    """Squared error of `store` (a KIVI chunk as `cache` encodes it) decoded in float32 against the chunk (keys,
+    values) it encodes, per group: keys [1, n_kv, blocks, head_dim] (a channel's block of tokens), values
+    [1, n_kv, tokens, head_dim / group_size]."""
+    block, group = cache.token_block, cache.config.group_size
+    keys32, values32 = keys.astype(mx.float32), values.astype(mx.float32)
+    batch, heads, tokens, dim = keys32.shape
+    key_error = mx.square(cache._decode_keys(store) - keys32).reshape(batch, heads, tokens // block, block, dim)
+    value_error = mx.square(cache._decode_values(store) - values32).reshape(batch, heads, tokens, dim // group, group)
+    return key_error.sum(axis=3), value_error.sum(axis=-1)

@@ -29,7 +29,7 @@ from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
-from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, registered_width_table
+from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, kivi_group_errors, registered_width_table
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -675,9 +675,11 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
     """KIVI's chunk encoded in one launch on the GPU (its backend let into KIVI_ENCODE_BACKENDS and
     CLIP_SEARCH_BACKENDS for the test) against the reference's operations on the CPU: codes, 16-bit scales and biases,
     outlier indices and residuals. A GPU may divide a value onto the other side of a code boundary: at most 1 in 1,000
-    packed words or entries differ, and a scale or bias only by a 16-bit step. The clip search (level2-widths) failed
-    this on the H200 (0.29 % of one width's words: about one group choosing another candidate), so it is
-    not admitted on CUDA (kivi_encode.CLIP_SEARCH_BACKENDS)."""
+    packed words or entries differ, and a scale or bias only by a 16-bit step. The clip search (level2-widths) picks
+    the candidate range of least squared error, and two candidates can tie within float rounding (the GPU sums in
+    another order and fuses multiply-adds): on the H200 0.29 % of one width's words differed that way. So there every
+    group's error, decoded against the chunk, must be within 1e-3 of the reference's (a worse choice fails), and
+    at most 1 % of words or entries may differ."""
     from engine.kvcache.kernels import kivi_encode
     from engine.kvcache.quant import fused
 
@@ -709,16 +711,24 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
         reference = reference_cache._encode(keys, values)
         mx.eval(reference)
     assert list(fused_store) == list(reference)
+    clip_search = "clipped" in rules
+    allowed = 1e-2 if clip_search else 1e-3
     for name, ref in reference.items():
         got = fused_store[name]
         assert got.shape == ref.shape and got.dtype == ref.dtype, name
         if ref.dtype in (mx.uint32, mx.uint8):
             mismatched = float(mx.mean((got != ref).astype(mx.float32)))
-            assert mismatched <= 1e-3, (name, mismatched)
+            assert mismatched <= allowed, (name, mismatched)
         else:
             ref32, got32 = ref.astype(mx.float32), got.astype(mx.float32)
             off = mx.abs(got32 - ref32) > mx.abs(ref32) * 2**-7 + 1e-6
-            assert float(mx.mean(off.astype(mx.float32))) <= 1e-3, name
+            assert float(mx.mean(off.astype(mx.float32))) <= allowed, name
+    if clip_search:
+        with mx.stream(mx.cpu):
+            for role, got_error, ref_error in zip(("key", "value"), kivi_group_errors(cache, fused_store, keys, values),
+                                                  kivi_group_errors(cache, reference, keys, values), strict=True):
+                worse = got_error > ref_error * (1 + 1e-3) + 1e-6
+                assert not bool(mx.any(worse)), (role, int(mx.sum(worse)), float(mx.max(got_error - ref_error)))
 
 
 @needs_gpu

@@ -607,6 +607,31 @@ def test_kivi_clip_search_takes_each_groups_first_least_error_range_in_any_pass_
             np.testing.assert_array_equal(actual.reshape(expected.shape), expected, err_msg=f"{bits} bits {name}")
 
 
+def test_kivi_group_errors_fail_an_encode_that_skips_the_clip_search() -> None:
+    """The GPU parity test of the clip search (tests/test_kvcache_kernels.py) lets a group choose another candidate
+    only within 1e-3 of the reference's squared error, measured by `kivi_group_errors`: on the same chunk and
+    layout, an encode without the clip search is worse in most key and value groups, and the reference in none."""
+    import copy
+    from dataclasses import replace
+
+    from engine.kvcache import KVCacheBuilder, ModelShape
+    from tests.kvcache_helpers import kivi_chunk, kivi_group_errors, registered_width_table
+
+    spec = ("kivi:k2v2:g64:s4:clip_search=true:key_block=128:rotate_values=true:kernels=off:"
+            f"key_widths={registered_width_table((40, 56, 24, 8), 2, seed=7, narrowest=1)}")
+    cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
+    keys, values = kivi_chunk(2, 1024, 128, mx.bfloat16, seed=7)
+    cache._setup_from(keys, values)
+    plain = copy.copy(cache)
+    plain.config = replace(cache.config, options={**cache.config.options, "clip_search": False})
+    reference = kivi_group_errors(cache, cache._encode(keys, values), keys, values)
+    for encoded, worse_share in ((cache._encode(keys, values), (0.0, 0.0)),
+                                 (plain._encode(keys, values), (0.5, 0.5))):
+        for got, ref, share in zip(kivi_group_errors(cache, encoded, keys, values), reference, worse_share, strict=True):
+            worse = float(mx.mean((got > ref * (1 + 1e-3) + 1e-6).astype(mx.float32)))
+            assert worse > share if share else worse == 0.0, (worse, share)
+
+
 def test_kivi_clip_search_quantizes_closer_in_the_same_layout() -> None:
     """clip_search picks, per group, the clipping with the least squared error (1.0 is among them, so no group
     gets worse): heavy-tailed keys and values decode closer, in arrays of the same shapes and bytes."""

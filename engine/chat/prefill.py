@@ -27,20 +27,16 @@ from typing import Any
 import mlx.core as mx
 
 
-def pipelined_by_default(cache: list[Any], device: mx.Device) -> bool:
-    """Whether a prefill into `cache` on `device` records the next chunk while the current one runs: on a GPU, for
-    compressed caches. On a CPU the host and the device are the same cores, and pipelining (its first form, which
-    submitted the next chunk at once) gained nothing measurable there (SmolLM2, 1,024 tokens in 256-token chunks: 164
-    against 163 tok/s at 16 bits, 159 against 158 at the 4-bit level), while a cancel would wait for one more chunk.
-    On the H200 a 32k-token prefill of the app's compressed levels ran faster pipelined in 7 of 8 runs (by 5-12 %),
-    while the 16-bit cache's pipelined prefill varied from 4,048 to 8,022 tok/s in three processes against a steady
-    7,254-7,301 fed chunk by chunk, for a reason not yet found (benchmarks/results/prefill-kivi-encode-h200.json,
-    prefill-clip-encode-h200.json): a plain 16-bit cache records a chunk in ~3.5 ms against 15-20 ms for a level, so it
-    has little to hide."""
-    # the compressed caches' base: an encode, a history decode and store appends per chunk
-    from engine.kvcache.base import SegmentedKVCache
-
-    return device == mx.gpu and any(isinstance(layer, SegmentedKVCache) for layer in cache)
+def pipelined_by_default(device: mx.Device) -> bool:
+    """Whether a prefill on `device` records the next chunk while the current one runs: on a GPU. On a CPU the host
+    and the device are the same cores, and pipelining (its first form, which submitted the next chunk at once) gained
+    nothing measurable there (SmolLM2, 1,024 tokens in 256-token chunks: 164 against 163 tok/s at 16 bits, 159 against
+    158 at the 4-bit level), while a cancel would wait for one more chunk. On the H200, a 32k-token prompt of the 8B
+    shape: the 16-bit cache 8,012-8,091 tok/s pipelined against 7,198-7,289 fed chunk by chunk, the app's levels
+    6,518-7,096 against 5,737-6,178 (benchmarks/results/prefill-pipelined-warm-h200.json). The 16-bit cache's
+    pipelined figure had looked erratic (4,048-5,654 tok/s) only where it was the first pipelined prefill on a fresh
+    machine, which compiles kernels the other way had not (the same run's second one: 8,056)."""
+    return device == mx.gpu
 
 
 def prefill_chunks(model: Any, cache: list[Any], tokens: Sequence[int] | mx.array, chunk: int,
@@ -52,7 +48,7 @@ def prefill_chunks(model: Any, cache: list[Any], tokens: Sequence[int] | mx.arra
     prompt = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
     total = int(prompt.shape[0])
     step = max(1, chunk)
-    if not (pipelined_by_default(cache, mx.default_device()) if pipelined is None else pipelined):
+    if not (pipelined_by_default(mx.default_device()) if pipelined is None else pipelined):
         for start in range(0, total, step):
             if cancel is not None and cancel.is_set():
                 return

@@ -781,7 +781,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
 
     def _encode_backend(self, key_quantizer: str, value_quantizer: str) -> str | None:
         """The kernel backend that encodes this cache's chunks in one launch (kernels/kivi_encode.py), or None: the
-        reference's operations (kernels off, no GPU, or a rule the kernel lacks: clip search, grids)."""
+        reference's operations (kernels off, no GPU, or a rule the kernel lacks: grids)."""
         if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off":
             return None
         backend = _kernels.available_backend()
