@@ -26,11 +26,12 @@ import argparse
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness.common import median_ms  # noqa: E402
 
 SWEEP = (
     {"TILED": False}, {"TILED": False, "TARGET_GROUPS": 256},
@@ -39,20 +40,6 @@ SWEEP = (
     {"TARGET_GROUPS": 256}, {"TARGET_GROUPS": 512}, {"TARGET_GROUPS": 2048}, {"TARGET_GROUPS": 4096},
     {"MIN_SPLIT_TOKENS": 64}, {"MIN_SPLIT_TOKENS": 256}, {"MIN_SPLIT_TOKENS": 512},
 )
-
-
-def _median_ms(run: Any, repeats: int) -> float:
-    import mlx.core as mx
-
-    times = []
-    for i in range(repeats + 2):
-        mx.synchronize()
-        began = time.perf_counter()
-        mx.eval(run())
-        mx.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2] * 1000
 
 
 def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep: bool,
@@ -91,9 +78,9 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
         return outs
 
     row: dict[str, Any] = {"spec": spec, "context": context}
-    row["attention"] = _median_ms(attention, repeats)
-    row["update"] = _median_ms(update, repeats)
-    row["both"] = _median_ms(both, repeats)
+    row["attention"] = median_ms(attention, repeats, warmup=2)
+    row["update"] = median_ms(update, repeats, warmup=2)
+    row["both"] = median_ms(both, repeats, warmup=2)
     rows = [row]
     plans = [c._decode_plan(shape["heads"] // shape["kv_heads"]) if hasattr(c, "_decode_plan") else None
              for c in caches]
@@ -110,7 +97,7 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
                     c._n_compressed, c.n_duplicated))
             return outs
 
-        row["kernel"] = _median_ms(kernel, repeats)
+        row["kernel"] = median_ms(kernel, repeats, warmup=2)
         row["splits"] = decode_kernels.split_count(caches[0]._n_compressed, shape["kv_heads"], plans[0].tile,
                                                    plans[0].target_groups)
         if sweep:
@@ -123,7 +110,7 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
                 for c in caches:
                     c._plan_cache = None
                 try:
-                    ms = _median_ms(kernel, repeats)
+                    ms = median_ms(kernel, repeats, warmup=2)
                     rows.append({"spec": spec, "context": context, "variant": variant, "kernel": ms})
                 except Exception as error:  # noqa: BLE001 - a variant the layout refuses is recorded
                     rows.append({"spec": spec, "context": context, "variant": variant, "error": str(error)[:200]})

@@ -3,7 +3,8 @@
 that compile what they meet:
 
 * `encode`: the chunk's encode alone (`_encode`: quantize, key widths, outliers; compressed caches only),
-* `update`: the chunk's whole update (`update_and_fetch`: encode and append; trimmed back after each run),
+* `update`: the chunk's whole update (`update_and_fetch`: encode and append; trimmed back after each run, untimed
+  since 2026-12-03's thirteenth session: results before it include the trim),
 * `history`: the decode of the compressed history a chunk attends over (`_dense_history`: the decode with the sink
   tokens and the window joined to it; compressed caches only),
 * `decoded`: that decode alone (`_decoded_history`: on a GPU, the history-decode kernel's launch),
@@ -23,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import decode as bench  # noqa: E402
 from benchmarks import prefill_chunks  # noqa: E402
-
-
-def median_ms(run: Callable[[], None], repeats: int) -> float:
-    import mlx.core as mx
-
-    times = []
-    for _ in range(repeats):
-        mx.synchronize()
-        began = time.perf_counter()
-        run()
-        mx.synchronize()
-        times.append(1000 * (time.perf_counter() - began))
-    return sorted(times)[len(times) // 2]
-
+from benchmarks.harness.common import median_ms  # noqa: E402
 
 PARTS = ("encode", "update", "history", "decoded", "attend")
 
@@ -77,6 +63,8 @@ def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, re
     def update() -> None:
         cache.update_and_fetch(keys, values)
         mx.eval(cache.state)
+
+    def trim_back() -> None:  # after each update, untimed: the layer holds `history` tokens again
         cache.trim(chunk)
         mx.eval(cache.state)
 
@@ -91,12 +79,15 @@ def profile_layer(spec: str, shape: dict[str, Any], history: int, chunk: int, re
     parts = ({"encode": encode, "update": update, "history": history_decode, "decoded": decoded} if compressed
              else {"update": update})
     parts = {name: run for name, run in parts.items() if name in parts_wanted}
+    undo = {"update": trim_back}
     for _ in range(2):
-        for run in parts.values():
+        for name, run in parts.items():
             run()
+            if name in undo:
+                undo[name]()
     row: dict[str, Any] = {"spec": spec, "history": history, "chunk": chunk}
     for name, run in parts.items():
-        row[f"{name}_ms"] = median_ms(run, repeats)
+        row[f"{name}_ms"] = median_ms(run, repeats, after=undo.get(name))
     cached_keys, cached_values = cache.update_and_fetch(keys, values)  # what the attention runs on
     mx.eval(cache.state)
     row["nbytes"] = cache.nbytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -1168,6 +1169,18 @@ def test_decode_spec_constants_hold_for_their_spec_only() -> None:
     assert base.PREFILL_AHEAD_CHUNKS == 3
     with pytest.raises(SystemExit, match="no constant 'NOT_A_CONSTANT'"), spec_constants("kivi:k2v2#NOT_A_CONSTANT=1"):
         pass
+
+
+def test_median_ms_times_only_the_runs_after_the_warmup() -> None:
+    """benchmarks' one timing helper: `warmup` untimed runs, then `repeats` timed ones, each followed by `after`
+    (untimed: the undo of what the run changed), and what a run returns evaluated inside its time."""
+    from benchmarks.harness.common import median_ms
+
+    calls: list[str] = []
+    ms = median_ms(lambda: calls.append("run") or mx.ones(4) * 2, 3, warmup=2, after=lambda: calls.append("after"))
+    assert calls == ["run", "after"] * 5 and ms >= 0
+    sleeps = median_ms(lambda: None, 3, after=lambda: time.sleep(0.05))
+    assert sleeps < 50  # the after step is outside the timed span
 
 
 def test_prefill_layer_times_each_part_of_a_chunk_in_one_layer(tmp_path: Path) -> None:

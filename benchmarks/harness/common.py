@@ -8,7 +8,8 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +276,24 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
         "max": float(array.max()),
         "n": int(array.size),
     }
+
+
+def median_ms(run: Callable[[], Any], repeats: int, *, warmup: int = 0, after: Callable[[], None] | None = None) -> float:
+    """Median wall milliseconds of `run()` and the evaluation of what it returns (if anything), device synchronized
+    before and after, over `repeats` timed runs after `warmup` untimed ones; `after`, untimed, follows each run (to
+    undo what the run changed)."""
+    import mlx.core as mx
+
+    times = []
+    for i in range(warmup + repeats):
+        mx.synchronize()
+        began = time.perf_counter()
+        result = run()
+        if result is not None:
+            mx.eval(result)
+        mx.synchronize()
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - began))
+        if after is not None:
+            after()
+    return sorted(times)[len(times) // 2]

@@ -64,7 +64,7 @@ DENSE_HISTORY_MAX_BYTES = 256 << 20
 # fifth of its 32k-token prefill in 2,048-token chunks on an H200: 5,056 tok/s against 6,094 with the store grown
 # in 8,192-token steps, fp16 6,832 / 6,777 in the same runs (benchmarks/results/prefill-chunks-growth-step-h200.json);
 # with this room the 4-bit level prefilled at 0.80x of fp16 against 0.71x without (prefill-room-ahead-h200.json).
-# The room is given back at the first update of at most `step` tokens (a decode step: `_release_room_ahead`;
+# The room is given back at the first update of at most `step` tokens (a decode step: `release_room_ahead`;
 # mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that is being decoded holds its tokens
 # rounded up to `step`, as before; nbytes counts the room while it is held.
 PREFILL_AHEAD_CHUNKS = 3
@@ -630,7 +630,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         values = self._values_in(values).astype(dense_dtype)
         n_new = keys.shape[-2]
         if n_new <= self.step:  # decoding (not a prefill chunk): no more room ahead needed
-            self._release_room_ahead()
+            self.release_room_ahead()
         start = 0
         if self.n_sink < self.config.sink_tokens and self.offset == self.n_sink:
             start = min(self.config.sink_tokens - self.n_sink, n_new)
@@ -680,9 +680,10 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0
         return self._slots_for(needed + ahead)
 
-    def _release_room_ahead(self) -> None:
+    def release_room_ahead(self) -> None:
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
-        tokens rounded up to `step` (at least `step`)."""
+        tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself; a caller that
+        reads `nbytes` after a prefill it never decodes from (a teacher-forced evaluation) calls it."""
         if self._store is None:
             return
         keep = max(self.step, self._slots_for(self._n_compressed))

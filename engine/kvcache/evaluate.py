@@ -97,7 +97,7 @@ def _give_back_room_ahead(caches: list[Any]) -> None:
     chunks (base.PREFILL_AHEAD_CHUNKS), so the bytes read after a teacher-forced pass, which never decodes, are what
     the cache holds while it decodes. Other caches (mlx-lm's) have no such room."""
     for cache in caches:
-        release = getattr(cache, "_release_room_ahead", None)
+        release = getattr(cache, "release_room_ahead", None)
         if release is not None:
             release()
 
