@@ -45,9 +45,9 @@ from engine.kvcache.calibration import precompute
 from engine.models.catalog import hf_cached_snapshot, list_models, load_model, resolve_model
 from engine.models.hub import DownloadProgress, download_model, normalize_repo_id
 from engine.planning.memory import snapshot, system_memory
-from engine.planning.recommend import BUDGET_TOKENS, LEVELS, check_fits
+from engine.planning.recommend import BUDGET_TOKENS, LEVELS, check_fits, prefill_chunk_for
 from engine.planning.units import format_bytes
-from engine.runtime.status import runtime_status
+from engine.runtime.status import on_gpu, runtime_status
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -117,12 +117,16 @@ def _level_key(cache_config: Any) -> str:
 
 def _check_memory(session: Any, info: Any, level_key: str, question: str) -> None:
     """Refuse a turn whose KV cache would not fit in the memory this process may use (cgroup limits
-    included), before any token is read: MemoryBudgetError with the engine's explanation. The app does
-    the same check before it reads a document (app/worker.py)."""
+    included), before any token is read: MemoryBudgetError with the engine's explanation; and set the prefill chunk
+    the check counted. The app does the same before it reads a document (app/worker.py)."""
     draft = [*session.history, Message("user", question, list(session.pending_documents))]
     n_tokens = min(len(session.render_tokens(draft)) + session.settings.max_tokens, session.context_length)
     held = session.kv_cache_bytes()  # already allocated: out of "available", but ours to reuse
-    check_fits(info, n_tokens, level_key, system_memory()["available"] + held, weights_bytes=0)
+    available = system_memory()["available"] + held
+    # On a GPU the prompt is prefilled in the largest chunk that still fits (engine.planning.recommend)
+    chunk = prefill_chunk_for(info, n_tokens, level_key, available, gpu=on_gpu(), weights_bytes=0)
+    check_fits(info, n_tokens, level_key, available, weights_bytes=0, prefill_chunk=chunk)
+    session.settings.prefill_chunk = chunk
 
 
 def _run_turn(session: Any, question: str, show_stats: bool) -> str | None:

@@ -63,8 +63,17 @@ from engine.errors import (
 from engine.models.catalog import load_model, resolve_model
 from engine.models.hub import DownloadProgress, download_model, hub_endpoint, normalize_repo_id
 from engine.planning.memory import system_memory
-from engine.planning.recommend import cache_bytes, check_fits, fit_verdicts, level_by_key, recommend
+from engine.planning.recommend import (
+    DEFAULT_PREFILL_CHUNK,
+    cache_bytes,
+    check_fits,
+    fit_verdicts,
+    level_by_key,
+    prefill_chunk_for,
+    recommend,
+)
 from engine.planning.units import format_bytes
+from engine.runtime.status import on_gpu
 
 # How often the worker reports live numbers while it runs a job: often enough for a smooth plot and gauges,
 # rarely enough that signals never flood the GUI's event queue.
@@ -334,7 +343,8 @@ class EngineWorker(QObject):
             if session is None:
                 raise ModelError("No model is loaded yet.")
             settings = self._session_settings(options, options.overflow_policy or self._overflow_policy)
-            refusal = self._memory_refusal(session.cache_offset + session.count_tokens(text) + settings.max_tokens)
+            settings.prefill_chunk, refusal = self._memory_plan(
+                session.cache_offset + session.count_tokens(text) + settings.max_tokens)
             if refusal:
                 self.turnFailed.emit(refusal)
                 return
@@ -475,14 +485,14 @@ class EngineWorker(QObject):
             self._apply_compression(choice.level, choice.method, announce=True)
         if choice.overflow_policy:
             self._overflow_policy = choice.overflow_policy
-        refusal = self._document_memory_refusal(document)
+        chunk, refusal = self._document_memory_plan(document)
         if refusal:
             self.documentIngested.emit(IngestResult(0, document.name, str(document.path), cancelled=True,
                                                     failed=True, message=refusal))
             return
         session.attach_document(document)
-        previous_policy = session.settings.overflow_policy
-        session.settings.overflow_policy = self._overflow_policy
+        previous_policy, previous_chunk = session.settings.overflow_policy, session.settings.prefill_chunk
+        session.settings.overflow_policy, session.settings.prefill_chunk = self._overflow_policy, chunk
         started = time.perf_counter()
         last_sample = 0.0
         cancelled = failed = False
@@ -505,7 +515,7 @@ class EngineWorker(QObject):
             cancelled = failed = True
             message = _unexpected(f"Reading {document.name} failed", error)
         finally:
-            session.settings.overflow_policy = previous_policy
+            session.settings.overflow_policy, session.settings.prefill_chunk = previous_policy, previous_chunk
         if cancelled:
             session.pending_documents = [d for d in session.pending_documents if d is not document]
         self.documentIngested.emit(IngestResult(
@@ -516,28 +526,31 @@ class EngineWorker(QObject):
         ))
         self._emit_kv_bytes(force=True)
 
-    def _memory_refusal(self, n_tokens: int) -> str:
-        """The engine's explanation if a cache of `n_tokens` at the current level would not fit in memory
-        (checked before the work starts, so the OS never has to kill the app); '' when it fits."""
+    def _memory_plan(self, n_tokens: int) -> tuple[int, str]:
+        """(prefill chunk, refusal) for a cache of `n_tokens` at the current level: the chunk its prefill takes
+        (`_fit_plan`) and the engine's explanation if it would not fit in memory (checked before the work starts, so
+        the OS never has to kill the app; '' when it fits)."""
         held = self.session.kv_cache_bytes()  # already allocated: it is not "available" any more, but is ours
-        return self._fit_refusal(min(n_tokens, self.session.context_length), held)
+        return self._fit_plan(min(n_tokens, self.session.context_length), held)
 
-    def _document_memory_refusal(self, document: Any) -> str:
-        """The engine's explanation if the conversation with `document` would not fit in memory; '' if it does."""
+    def _document_memory_plan(self, document: Any) -> tuple[int, str]:
+        """(prefill chunk, refusal) for the conversation with `document` (see `_memory_plan`)."""
 
         session = self.session
         draft = [*session.history, Message("user", "", [*session.pending_documents, document])]
         n_tokens = min(len(session.render_tokens(draft)) + session.settings.max_tokens, session.context_length)
-        return self._fit_refusal(n_tokens, 0)
+        return self._fit_plan(n_tokens, 0)
 
-    def _fit_refusal(self, n_tokens: int, held_bytes: int) -> str:
-
+    def _fit_plan(self, n_tokens: int, held_bytes: int) -> tuple[int, str]:
+        """The prefill chunk for `n_tokens` at the current level (on a GPU the largest that still fits:
+        engine.planning.recommend.prefill_chunk_for) and the refusal with it ('' when the cache fits)."""
+        available = system_memory()["available"] + held_bytes
         try:
-            check_fits(self.info, n_tokens, self._level_key, system_memory()["available"] + held_bytes,
-                       weights_bytes=0)
+            chunk = prefill_chunk_for(self.info, n_tokens, self._level_key, available, gpu=on_gpu(), weights_bytes=0)
+            check_fits(self.info, n_tokens, self._level_key, available, weights_bytes=0, prefill_chunk=chunk)
         except (MemoryBudgetError, ConfigError) as error:
-            return str(error)
-        return ""
+            return DEFAULT_PREFILL_CHUNK, str(error)
+        return chunk, ""
 
     # ----- compression -----------------------------------------------------------------------------------
     @Slot(str, object)

@@ -383,7 +383,8 @@ def chunked_prefill(model: nn.Module, caches: list[Any], prompt: Any,
     return times
 
 
-def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
+def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, Any] = SHAPE,
+                 chunk: int = PREFILL_CHUNK) -> dict[str, Any]:
     """A chunked prefill of `n_tokens` into fresh caches, timed on a later run: the first compiles the
     kernels it meets (on an H200 the first chunk of the first cache took 25-37 s, the next ones 0.3 s), which
     would be charged to whichever spec happens to come first. The first run's time is kept as `first_prefill_s`:
@@ -392,7 +393,8 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, An
     (engine/chat/prefill.py: the next chunk recorded while the current one is evaluated), in new caches each. The
     pipelined way is run once untimed first too (`first_pipelined_prefill_s`): its graphs (no logits evaluated) meet
     kernels the other way did not compile, and on the H200 the first process of a fresh machine timed the 16-bit
-    cache's pipelined prefill at 4,048-5,654 tok/s against 8,012-8,091 in every later process."""
+    cache's pipelined prefill at 4,048-5,654 tok/s against 8,012-8,091 in every later process. `chunk`: tokens per
+    chunk both ways (`prefill_chunk`)."""
     import mlx.core as mx
 
     from engine.chat.prefill import prefill_chunks
@@ -405,10 +407,10 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, An
         mx.synchronize()
         began = time.perf_counter()
         if run.endswith("pipelined"):  # the app's prefill: the next chunk recorded while the current one runs
-            for _ in prefill_chunks(model, caches, prompt[0], PREFILL_CHUNK, pipelined=True):
+            for _ in prefill_chunks(model, caches, prompt[0], chunk, pipelined=True):
                 pass
         else:  # mlx-lm's generate: one chunk after another
-            chunked_prefill(model, caches, prompt)
+            chunked_prefill(model, caches, prompt, chunk)
         mx.synchronize()
         runs.append(time.perf_counter() - began)
         if run != "pipelined":
@@ -418,7 +420,7 @@ def time_prefill(model: nn.Module, spec: str, n_tokens: int, shape: dict[str, An
     # One decode step after the real prefill, to show the cache it built decodes too.
     step = time_decode(model, caches, steps=3, warmup=1)
     del caches
-    return {"prefill_s": runs[2], "prefill_tok_s": n_tokens / runs[2], "first_prefill_s": runs[0],
+    return {"prefill_chunk": chunk, "prefill_s": runs[2], "prefill_tok_s": n_tokens / runs[2], "first_prefill_s": runs[0],
             "first_pipelined_prefill_s": runs[1], "pipelined_prefill_s": runs[3],
             "pipelined_prefill_tok_s": n_tokens / runs[3],
             "decode_tok_s_after": 1 / step[1]}
@@ -520,6 +522,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per row (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default: %(default)s)")
     parser.add_argument("--prefill", type=int, default=0, help="also time a chunked prefill of this many tokens")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                        help="tokens per chunk of the --prefill timing (the app's: 512 on a CPU; on a GPU up to 2,048 "
+                             "where memory allows) (default: %(default)s)")
     parser.add_argument("--prefill-specs", default=",".join(PREFILL_SPECS),
                         help="caches of the --prefill timing (default: %(default)s)")
     parser.add_argument("--profile", default="", help="SPECS@CONTEXT: also profile one step of these caches")
@@ -645,7 +650,7 @@ def run(args: argparse.Namespace) -> int:
             row = spec_row(spec, args.prefill)
             try:
                 with spec_constants(spec) as text:
-                    row |= time_prefill(model, text, args.prefill, shape)
+                    row |= time_prefill(model, text, args.prefill, shape, args.prefill_chunk)
                 print(f"prefill {spec:16s} {args.prefill}: {row['prefill_tok_s']:.0f} tok/s, pipelined "
                       f"{row['pipelined_prefill_tok_s']:.0f} (then decode {row['decode_tok_s_after']:.1f} tok/s)",
                       flush=True)

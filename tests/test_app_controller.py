@@ -317,6 +317,31 @@ def test_a_reply_that_would_not_fit_in_memory_is_refused_with_the_reason(make_co
     assert controller.store.list_conversations() == []
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_prefill_chunks_are_larger_on_a_gpu_where_memory_allows(make_controller, qtbot, monkeypatch, tmp_path, gpu):
+    """A document and a turn are prefilled in 512-token chunks on a CPU and, on a GPU (the engine's device check
+    answered here), in the largest chunk the memory check lets through (2,048 for SmolLM2); the session's own
+    setting is left as it was after a document read."""
+    import app.worker
+    import engine.chat.session
+
+    monkeypatch.setattr(app.worker, "on_gpu", lambda: gpu)
+    chunks: list[int] = []
+    real = engine.chat.session.prefill_chunks
+    monkeypatch.setattr(engine.chat.session, "prefill_chunks",
+                        lambda model, cache, tokens, chunk, *rest: chunks.append(chunk) or real(model, cache, tokens,
+                                                                                               chunk, *rest))
+    controller = make_controller()
+    path = tmp_path / "harbour.txt"
+    path.write_text(" ".join(f"On day {day} the harbour master counted {day * 7} boats." for day in range(1, 60)),
+                    encoding="utf-8")
+    assert not attach_and_ingest(qtbot, controller, path).cancelled
+    assert controller.engine.worker.session.settings.prefill_chunk == 512
+    reply(qtbot, controller, "How many boats were counted on day 3?")
+    assert controller.entries[-1].role == "assistant"
+    assert chunks and set(chunks) == {2048 if gpu else 512}, chunks
+
+
 def test_download_job_fetches_a_model_through_the_hub_then_loads_it(make_controller, qtbot, default_model_path,
                                                                     tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))

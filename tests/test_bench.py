@@ -1086,16 +1086,18 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
 def test_velox_bench_decode_times_a_chunked_prefill(tmp_path: Path) -> None:
     """--prefill N: a prompt of N tokens fed in chunks (decode.chunked_prefill) into fresh caches of each
     --prefill-specs cache, timed on its second run, with a decode step after it; a constant set per spec is recorded
-    (one chunk here: the CPU's reference path is slow)."""
+    (two chunks of --prefill-chunk tokens here: the CPU's reference path is slow)."""
     out = tmp_path / "prefill.json"
     done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--specs", "", "--no-generate",
-                  "--prefill", "300", "--prefill-specs", "fp16,kivi:k4v4:g64#PREFILL_AHEAD_CHUNKS=0")
+                  "--prefill", "300", "--prefill-chunk", "256",
+                  "--prefill-specs", "fp16,kivi:k4v4:g64#PREFILL_AHEAD_CHUNKS=0")
     assert done.returncode == 0, done.stderr
     fp16, kivi = json.loads(out.read_text())["prefill"]
     assert [fp16["spec"], kivi["spec"]] == ["fp16", "kivi:k4v4:g64"]
     assert kivi["kernel_constants"] == {"PREFILL_AHEAD_CHUNKS": 0} and "kernel_constants" not in fp16
     for row in (fp16, kivi):
         assert row["context"] == 300 and row["prefill_tok_s"] == pytest.approx(300 / row["prefill_s"])
+        assert row["prefill_chunk"] == 256
         assert row["first_prefill_s"] > 0 and row["first_pipelined_prefill_s"] > 0
         assert row["pipelined_prefill_tok_s"] == pytest.approx(300 / row["pipelined_prefill_s"])
         assert row["decode_tok_s_after"] > 0

@@ -233,6 +233,26 @@ def test_check_fits_refuses_before_the_os_kills_us() -> None:
         check_fits(ODD_HEADS, 1024, "4", 16 * GiB)
 
 
+def test_a_gpu_prefills_in_the_largest_chunk_that_still_fits() -> None:
+    """prefill_chunk_for: on a GPU the largest of GPU_PREFILL_CHUNKS whose working memory fits with the cache (a long
+    context that fits only with the default chunk keeps it); a CPU always keeps the default."""
+    from engine.planning.recommend import DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNKS, prefill_chunk_for
+
+    assert GPU_PREFILL_CHUNKS == (2048, 1024) and DEFAULT_PREFILL_CHUNK == 512
+    assert prefill_chunk_for(SMOLLM2, 8192, "3", 16 * GiB, gpu=True) == 2048
+    assert prefill_chunk_for(SMOLLM2, 8192, "3", 16 * GiB, gpu=False) == 512
+    # Llama-3.1-8B at 128k tokens, 4-bit level: a chunk's fp32 scores are 8.6 GB at 512 tokens, 34 GB at 2,048
+    chosen = {free: prefill_chunk_for(LLAMA_8B, 131072, "4", free * GiB, gpu=True) for free in (24, 32, 64)}
+    assert chosen == {24: 512, 32: 1024, 64: 2048}
+    for free, chunk in chosen.items():
+        assert check_fits(LLAMA_8B, 131072, "4", free * GiB, prefill_chunk=chunk).fits
+        for larger in (size for size in GPU_PREFILL_CHUNKS if size > chunk):
+            with pytest.raises(MemoryBudgetError):
+                check_fits(LLAMA_8B, 131072, "4", free * GiB, prefill_chunk=larger)
+    # Nothing fits (not even the default chunk): the default, whose refusal check_fits gives
+    assert prefill_chunk_for(LLAMA_8B, 131072, "16", 16 * GiB, gpu=True) == 512
+
+
 def test_model_without_a_shape_is_an_error() -> None:
     broken = ModelInfo(name="broken", path=Path("/nowhere"), source="local")
     with pytest.raises(ModelError, match="does not say its shape"):

@@ -149,6 +149,15 @@ DEFAULT_SAFETY_FRACTION = 0.8
 RUNTIME_OVERHEAD_BYTES = 300_000_000
 # Tokens per prefill step: the chat session's default.
 DEFAULT_PREFILL_CHUNK = GenerationSettings.prefill_chunk
+# Larger prefill chunks tried on a GPU, largest first (then DEFAULT_PREFILL_CHUNK): `prefill_chunk_for`. A compressed
+# cache decodes its whole history once per chunk and launches its encode once per chunk, so its prefill work grows
+# with the number of chunks: on the H200 a 32k-token prompt of the 8B shape prefilled in 512-token chunks at 3,754
+# (fp16, the process's first) / 6,110 (fp16, again), 2,566 (the 4-bit level) and 2,061 tok/s (the 3-bit level)
+# (benchmarks/results/prefill-chunks-512-h200.json), and in 2,048-token chunks at 7,198-7,289 (fp16) and 5,737-6,178
+# (the levels) in later runs (prefill-pipelined-warm-h200.json). The memory check stays the same model (fp32 scores
+# of a chunk: an upper bound where a GPU's fused attention never materialises them), so a long context keeps the
+# small chunk where the larger one would not fit. A CPU keeps DEFAULT_PREFILL_CHUNK: its chunk sizes are not measured.
+GPU_PREFILL_CHUNKS = (2048, 1024)
 # Attention scores and logits are computed in fp32 (activations stay fp32 on the CPU; on a GPU this is an
 # upper bound).
 _ACTIVATION_BYTES = 4
@@ -434,6 +443,30 @@ def recommend(
         f"used; {format_bytes(smallest.missing_bytes)} more free memory, a shorter context or a smaller "
         "prefill chunk is needed.",
     )
+
+
+def prefill_chunk_for(
+    info: ModelInfo,
+    n_tokens: int,
+    level: CompressionLevel | str,
+    available_bytes: int,
+    *,
+    gpu: bool,
+    weights_bytes: int | None = None,
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+) -> int:
+    """Tokens per prefill chunk for a context of `n_tokens` at `level`: on a GPU (`gpu`) the largest of
+    GPU_PREFILL_CHUNKS with which weights + cache + working memory still fit (`fit_verdicts`' model), else
+    DEFAULT_PREFILL_CHUNK (always on a CPU; and where nothing larger fits, or the level does not suit the model,
+    whose verdict `check_fits` then gives with the default chunk)."""
+    if gpu:
+        chosen = _as_level(level)
+        for chunk in GPU_PREFILL_CHUNKS:
+            verdicts = fit_verdicts(info, n_tokens, available_bytes, weights_bytes=weights_bytes,
+                                    safety_fraction=safety_fraction, prefill_chunk=chunk)
+            if next(v for v in verdicts if v.level.key == chosen.key).fits:
+                return chunk
+    return DEFAULT_PREFILL_CHUNK
 
 
 def check_fits(

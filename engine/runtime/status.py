@@ -8,6 +8,11 @@ import mlx_lm
 from engine.runtime.cpu.blas import fast_blas_status
 
 
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU in this process (Metal on a Mac, CUDA on NVIDIA): the default device."""
+    return mx.default_device() == mx.gpu
+
+
 def runtime_status() -> dict[str, str]:
     """MLX and mlx-lm versions, the default device, and what the CPU fast path did (one line each)."""
     status = fast_blas_status()
