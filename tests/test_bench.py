@@ -401,6 +401,22 @@ COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _prefill_run(name: str) -> tuple[list[dict], float]:
+    """A committed GPU run's prefill rows and its fp16 row's prefill tok/s."""
+    rows = json.loads((COMMITTED / name).read_text())["prefill"]
+    return rows, next(r for r in rows if r["spec"] == "fp16")["prefill_tok_s"]
+
+
+def _assert_gpu_level(row: dict, key: str) -> None:
+    """The row's spec is the app's level `key` as a GPU builds it for the 8B shape (its wide layers, keys before RoPE
+    where the level stores them so), device options aside."""
+    from benchmarks.harness.levels import without_device_options
+    from engine.planning.recommend import level_by_key
+
+    spec = row["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
+    assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(key).config), (row["spec"], key)
+
+
 def _check_tables(text: str) -> int:
     """Every markdown table has the same number of cells in each line (a stray '|' breaks a table)."""
     tables = 0
@@ -669,35 +685,29 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(two[19], level_row["prefill_tok_s"] / fp16_prefill["prefill_tok_s"])
     assert close(two[20], prefill[(False, True, ())]["prefill_tok_s"] / fp16_prefill["prefill_tok_s"])
     # with room grown ahead for prefill chunks (PREFILL_AHEAD_CHUNKS), and without it in the same run
-    ahead = json.loads((COMMITTED / "prefill-room-ahead-h200.json").read_text())["prefill"]
-    ahead_fp16 = next(r for r in ahead if r["spec"] == "fp16")["prefill_tok_s"]
+    ahead, ahead_fp16 = _prefill_run("prefill-room-ahead-h200.json")
     as_levels = {(KVCacheConfig.parse(r["spec"]).key_bits, "rope=pre" in r["spec"],
                   r.get("kernel_constants", {}).get("PREFILL_AHEAD_CHUNKS")): r for r in ahead if r["spec"] != "fp16"}
     for bits, pre in ((4, False), (3, True)):  # the levels' layouts as a GPU builds them (wide layers of the 8B shape)
-        spec = as_levels[bits, pre, None]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
-        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(bits)).config)
+        _assert_gpu_level(as_levels[bits, pre, None], str(bits))
     assert close(two[21], as_levels[4, False, None]["prefill_tok_s"] / ahead_fp16)
     assert close(two[22], as_levels[4, False, 0]["prefill_tok_s"] / ahead_fp16)
     assert close(two[23], as_levels[3, True, None]["prefill_tok_s"] / ahead_fp16)
     # the encode compiled on a GPU, and eager in the same run (COMPILE_ENCODE=false)
-    compiled = json.loads((COMMITTED / "prefill-compiled-encode-h200.json").read_text())["prefill"]
-    compiled_fp16 = next(r for r in compiled if r["spec"] == "fp16")["prefill_tok_s"]
+    compiled, compiled_fp16 = _prefill_run("prefill-compiled-encode-h200.json")
     by_bits = {(KVCacheConfig.parse(r["spec"]).key_bits, r.get("kernel_constants", {}).get("COMPILE_ENCODE", True)): r
                for r in compiled if r["spec"].startswith("kivi")}
     for bits in (4, 3, 2):  # the levels as a GPU builds them
-        spec = by_bits[bits, True]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
-        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(bits)).config), bits
+        _assert_gpu_level(by_bits[bits, True], str(bits))
     for text, key in ((two[24], (3, True)), (two[25], (3, False)), (two[26], (2, True)), (two[27], (2, False)),
                       (two[28], (4, True))):
         assert close(text, by_bits[key]["prefill_tok_s"] / compiled_fp16), (text, key)
     # KIVI's history decoded in tiles, and its former per-thread kernel in the same run (KIVI_TILED_HISTORY=false)
-    tiled = json.loads((COMMITTED / "prefill-tiled-history-h200.json").read_text())["prefill"]
-    tiled_fp16 = next(r for r in tiled if r["spec"] == "fp16")["prefill_tok_s"]
+    tiled, tiled_fp16 = _prefill_run("prefill-tiled-history-h200.json")
     by_kernel = {(KVCacheConfig.parse(r["spec"]).key_bits, r.get("kernel_constants", {}).get("KIVI_TILED_HISTORY", True)):
                  r for r in tiled if r["spec"].startswith("kivi")}
     for bits in (4, 3, 2):
-        spec = by_kernel[bits, True]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
-        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(bits)).config), bits
+        _assert_gpu_level(by_kernel[bits, True], str(bits))
     for index, key in enumerate(((4, True), (4, False), (3, True), (3, False), (2, True), (2, False))):
         assert close(two[29 + index], by_kernel[key]["prefill_tok_s"] / tiled_fp16), (two[29 + index], key)
     checked.append(two[0])
@@ -707,13 +717,11 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                         r"run\) and the 4-bit level at (\d\.\d\d)× \((\d\.\d\d)×\)\s+"
                         r"\(`benchmarks/results/prefill-kivi-encode-h200.json`;", section, re.S)
     assert encoded, "README no longer quotes the levels' prefill with KIVI's encode kernel"
-    run = json.loads((COMMITTED / "prefill-kivi-encode-h200.json").read_text())["prefill"]
-    run_fp16 = next(r for r in run if r["spec"] == "fp16")["prefill_tok_s"]
+    run, run_fp16 = _prefill_run("prefill-kivi-encode-h200.json")
     by_encode = {(KVCacheConfig.parse(r["spec"]).key_bits, "KIVI_ENCODE_BACKENDS" in r.get("kernel_constants", {})): r
                  for r in run if r["spec"].startswith("kivi")}
     for index, key in enumerate(((3, True), (3, False), (4, True), (4, False))):
-        spec = by_encode[key]["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
-        assert KVCacheConfig.parse(spec) == without_device_options(level_by_key(str(key[0])).config), key
+        _assert_gpu_level(by_encode[key], str(key[0]))
         assert close(encoded[1 + index], by_encode[key]["prefill_tok_s"] / run_fp16), (encoded[1 + index], key)
     from engine.kvcache.kernels.kivi_encode import CLIP_SEARCH_BACKENDS, KIVI_ENCODE_BACKENDS
 
@@ -727,11 +735,9 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                      r"speed, (\d\.\d\d)× before \(`benchmarks/results/prefill-clip-admitted-h200.json`;\s+"
                      r"BENCHMARKS.md, \*round 20\*\)\.", section, re.S)
     assert clip, "README no longer quotes the 2-bit level's prefill with the kernel's clip search"
-    admitted = json.loads((COMMITTED / "prefill-clip-admitted-h200.json").read_text())["prefill"]
-    admitted_fp16 = next(r for r in admitted if r["spec"] == "fp16")["prefill_tok_s"]
+    admitted, admitted_fp16 = _prefill_run("prefill-clip-admitted-h200.json")
     with_clip = next(r for r in admitted if r.get("kernel_constants", {}).get("CLIP_SEARCH_BACKENDS") == ["cuda"])
-    spec = with_clip["spec"].replace(":wide_layers=L1.10.18", "").replace(":rope=pre", "")
-    assert KVCacheConfig.parse(spec) == without_device_options(level_by_key("2").config)
+    _assert_gpu_level(with_clip, "2")
     assert close(clip[1], with_clip["prefill_tok_s"] / admitted_fp16)
     assert close(clip[2], by_encode[(2, False)]["prefill_tok_s"] / run_fp16)
     checked.append(clip[0])
