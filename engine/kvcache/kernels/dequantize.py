@@ -114,20 +114,21 @@ _BODY = """
 # (history-profile-r2-h200.json, history-profile-r4-h200.json); unpacking the signs with MLX operations had taken 1.5
 # ms alone (history-decode-profile-h200.json).
 _SIGNS_BODY = """
-  // Template: W (sign words per token), TD. Thread: bit b of word w of token c's packed signs (bit 1 = +1), so a warp
-  // writes 32 consecutive entries (a thread per word wrote 32 entries 128 bytes apart from its neighbours' per store).
-  const long n = (long)n_comp_r_shape[0] - 1;
-  const long bhs = (long)signs_shape[0] * signs_shape[1];
-  const long idx = (long)GROUP_X * NT + TID;
-  if (idx < bhs * n * W * 32) {
-    const int b = (int)(idx % 32);
-    const long at = idx / 32;            // (token, w) in row-major order
-    const int w = (int)(at % W);
-    const long token = at / W;
-    const int bh = (int)(token / n);
-    const int c = (int)(token - (long)bh * n);
+  // Template: W (sign words per token), TD. Grid: x the entries of one (batch, kv head) row block, y that row block.
+  // Thread: bit b of word w of token c's packed signs (bit 1 = +1), so a warp writes 32 consecutive entries (a thread
+  // per word wrote 32 entries 128 bytes apart from its neighbours' per store). Index math in 32 bits with W a
+  // constant: a block's n·W·32 entries are far below 2^31, and a 64-bit division by the token count per entry (the
+  // first form: one flat grid) is a long instruction sequence on a GPU.
+  const int n = (int)n_comp_r_shape[0] - 1;
+  const int bh = GROUP_Y;
+  const int idx = GROUP_X * NT + TID;
+  if (idx < n * W * 32) {
+    const int b = idx & 31;
+    const int at = idx >> 5;             // (token, w) in row-major order
+    const int w = at % W;
+    const int c = at / W;
     const U32 word = signs[((long)bh * signs_shape[2] + c) * signs_shape[3] + w];
-    pm[idx] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
+    pm[(long)bh * n * (W * 32) + idx] = static_cast<TD>(((word >> b) & 1u) ? 1.0f : -1.0f);
   }
 """
 SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
@@ -328,7 +329,7 @@ def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend
         (pm,) = kernel(SIGNS_SOURCE, backend)(
             inputs=[RULER(count), block],
             template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
-            grid=((batch * n_kv * count * rows + THREADS - 1) // THREADS * THREADS, 1, 1),
+            grid=((count * rows + THREADS - 1) // THREADS * THREADS, batch * n_kv, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[(batch, n_kv, count, rows)],
             output_dtypes=[mx.float32],
