@@ -291,3 +291,40 @@ def kivi_group_errors(cache, store, keys, values):  # noqa: ANN001, ANN201 - mx 
     key_error = mx.square(cache._decode_keys(store) - keys32).reshape(batch, heads, tokens // block, block, dim)
     value_error = mx.square(cache._decode_values(store) - values32).reshape(batch, heads, tokens, dim // group, group)
     return key_error.sum(axis=3), value_error.sum(axis=-1)
+
+
+# A warp's matrix multiply-accumulate (the dialect's MMA_* ops) checked on its own: C [16, 8·NW] = A [16, K] times
+# B [8·NW, K]ᵀ (B n-major, as the ops read it), one warp per 8 output columns, the tiles rounded by MMA_CAST.
+MMA_GEMM_BODY = """
+  MMA_SHARED MMA_T a_s[16 * K];
+  MMA_SHARED MMA_T b_s[NW * 8 * K];
+  SHARED float c_s[16 * NW * 8];
+  for (int i = TID; i < 16 * K; i += NW * 32) a_s[i] = MMA_CAST(a[i]);
+  for (int i = TID; i < NW * 8 * K; i += NW * 32) b_s[i] = MMA_CAST(b[i]);
+  BARRIER();
+  const int warp = TID / 32;
+  MMA_ACC acc;
+  MMA_ZERO(acc);
+  for (int k0 = 0; k0 < K; k0 += 16) MMA_16X8X16(acc, a_s + k0, K, b_s + warp * 8 * K + k0, K);
+  MMA_STORE(c_s + warp * 8, NW * 8, acc);
+  BARRIER();
+  for (int i = TID; i < 16 * NW * 8; i += NW * 32) c[i] = c_s[i];
+"""
+
+
+def mma_gemm_source():  # noqa: ANN201 - KernelSource
+    from engine.kvcache.kernels.backend import KernelSource
+
+    return KernelSource(name="velox_mma_gemm_check", input_names=("a", "b"), output_names=("c",), body=MMA_GEMM_BODY,
+                        matrix_ops=True)
+
+
+def mma_gemm(a, b, backend: str):  # noqa: ANN001, ANN201 - mx arrays
+    """C = A·Bᵀ through the MMA ops on `backend` (A [16, K], B [8·NW, K], float32; K a multiple of 16)."""
+    from engine.kvcache.kernels.backend import kernel
+
+    warps = b.shape[0] // 8
+    (c,) = kernel(mma_gemm_source(), backend)(
+        inputs=[a, b], template=[("K", int(a.shape[1])), ("NW", warps)], grid=(warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1), output_shapes=[(16, warps * 8)], output_dtypes=[mx.float32])
+    return c

@@ -24,7 +24,7 @@ from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.decode import Codec
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
-from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, registered_width_table
+from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, mma_gemm, registered_width_table
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
                                                           "which is not on PATH")
@@ -846,3 +846,17 @@ def test_emulated_kivi_encode_kernel_matches_reference(spec: str, counts, narrow
             assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
         else:
             assert bool(mx.array_equal(got, ref)), (name, float(mx.mean((got != ref).astype(mx.float32))))
+
+
+def test_emulated_matrix_ops_multiply_bfloat16_tiles() -> None:
+    """The dialect's warp matrix ops (MMA_*) on the emulator: a 16×K by K×(8·NW) product of tiles rounded to
+    bfloat16, accumulated in float32, as CUDA's instruction computes it (to float rounding of the sum's order); each
+    warp its own 8 columns."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 64), dtype=np.float32)
+    b = rng.standard_normal((24, 64), dtype=np.float32)
+    got = np.array(mma_gemm(mx.array(a), mx.array(b), EMULATE))
+    rounded = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (a, b)]
+    want = rounded[0].astype(np.float64) @ rounded[1].astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - a.astype(np.float64) @ b.astype(np.float64).T).max() > 1e-3  # the tiles were rounded

@@ -29,7 +29,14 @@ from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import encode_source
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
-from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, kivi_group_errors, registered_width_table
+from tests.kvcache_helpers import (
+    filled_then_stepped,
+    kivi_chunk,
+    kivi_group_errors,
+    mma_gemm,
+    mma_gemm_source,
+    registered_width_table,
+)
 
 # Every (key codec, value codec) pair a method uses, at every width it supports.
 CODEC_PAIRS = (
@@ -51,6 +58,7 @@ ALL_SOURCES = (
     *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
     *(kivi_encode_source(classes, outliers, symmetric) for classes in (1, 4) for outliers in (False, True)
       for symmetric in (False, True)),
+    mma_gemm_source(),
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -809,3 +817,18 @@ def test_tile_loop_counts_split_the_loop_at_its_barriers() -> None:
     sass = [f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(program)]
     assert tile_loop_counts(sass) == {"staging": 2, "phase 1": 5, "phase 2": 2, "phase 3": 3, "phase 1 loop body": 3}
     assert tile_loop_counts(sass[:3]) == {}
+
+
+@needs_gpu
+def test_matrix_ops_multiply_tiles_on_the_gpu() -> None:
+    """The dialect's warp matrix ops on the GPU (CUDA's mma.sync on bfloat16 tiles, Metal's simdgroup matrices on float
+    ones) against the same product in float64 of the tiles as the backend rounds them, within float32 accumulation;
+    each warp its own 8 columns of a 16×64 by 64×32 product."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 64), dtype=np.float32)
+    b = rng.standard_normal((32, 64), dtype=np.float32)
+    backend = available_backend()
+    got = np.array(mma_gemm(mx.array(a), mx.array(b), backend))
+    tiles = (a, b) if backend == "metal" else [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (a, b)]
+    want = tiles[0].astype(np.float64) @ tiles[1].astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -25,6 +25,23 @@ Every kernel in this package is written once, as a body in a small common dialec
                    2^23 (one logic op and one add; an integer-to-float conversion runs at a quarter of the
                    float rate on recent NVIDIA GPUs)
 
+A warp's (simdgroup's) matrix multiply-accumulate on tiles in shared memory, for bodies that multiply a tile of
+decoded keys or values with the queries on the GPU's matrix units (every lane of a warp calls each op together;
+only in sources with `matrix_ops`):
+
+    MMA_T          element type of the tiles (bfloat16 on CUDA, float on Metal and the emulator)
+    MMA_SHARED     SHARED aligned to 16 bytes, for the tiles
+    MMA_CAST(x)    a float as MMA_T (CUDA and the emulator round to bfloat16; Metal keeps float)
+    MMA_ACC        a warp's 16×8 float accumulator (opaque; CUDA: 4 floats a lane, Metal: two 8×8 simdgroup
+                   matrices, the emulator: the whole tile in every lane)
+    MMA_ZERO(acc)  acc = 0
+    MMA_16X8X16(acc, a, lda, b, ldb)   acc += A·B with A 16×16 row-major at a (row stride lda) and B 16×8 stored
+                   n-major (element (k, n) at b[n * ldb + k]); a, b even-aligned, lda, ldb even (CUDA reads pairs)
+    MMA_STORE(c, ldc, acc)   the accumulator into the row-major 16×8 float tile at c (row stride ldc)
+CUDA: `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (sm_80 and later), the operands read from shared memory
+in the instruction's register layout. Metal: `simdgroup_multiply_accumulate` on `simdgroup_float8x8` (every Apple
+GPU MLX runs on), B loaded transposed.
+
 Both MLX front ends take `grid` as the total number of threads (Metal's dispatch_threads; MLX's CUDA
 launcher divides by the block size itself), so a launch is described once for both.
 
@@ -109,6 +126,72 @@ _METAL_PRELUDE = """
 """
 
 
+# The warp matrix ops (MMA_*), in the header only of sources that ask for them (`KernelSource.matrix_ops`): every
+# other kernel's text stays as short as it was (MLX's CUDA front end hashes it at every launch).
+_CUDA_MMA = """
+#define MMA_T __nv_bfloat16
+#define MMA_SHARED __shared__ __align__(16)
+#define MMA_CAST(x) __float2bfloat16(x)
+#define MMA_ACC MmaAcc
+#define MMA_ZERO(acc) { (acc).v[0] = 0.0f; (acc).v[1] = 0.0f; (acc).v[2] = 0.0f; (acc).v[3] = 0.0f; }
+#define MMA_16X8X16(acc, a, lda, b, ldb) mma_16x8x16((acc), (a), (lda), (b), (ldb))
+#define MMA_STORE(c, ldc, acc) mma_store((c), (ldc), (acc))
+struct MmaAcc { float v[4]; };
+// Two consecutive bfloat16 as one register (the lower address in the low half, as the instruction reads a pair).
+__device__ __forceinline__ unsigned mma_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const unsigned*>(p); }
+// Lane l holds A rows g = l / 4 and g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9 (t = l % 4); B rows (k) 2t, 2t + 1 and
+// 2t + 8, 2t + 9 of column g; the accumulator's rows g and g + 8, columns 2t, 2t + 1.
+__device__ __forceinline__ void mma_16x8x16(MmaAcc& acc, const __nv_bfloat16* a, int lda, const __nv_bfloat16* b,
+                                            int ldb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const unsigned a0 = mma_pair(a + g * lda + 2 * t), a1 = mma_pair(a + (g + 8) * lda + 2 * t);
+  const unsigned a2 = mma_pair(a + g * lda + 2 * t + 8), a3 = mma_pair(a + (g + 8) * lda + 2 * t + 8);
+  const unsigned b0 = mma_pair(b + g * ldb + 2 * t), b1 = mma_pair(b + g * ldb + 2 * t + 8);
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(acc.v[0]), "+f"(acc.v[1]), "+f"(acc.v[2]), "+f"(acc.v[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_store(float* c, int ldc, const MmaAcc& acc) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  c[g * ldc + 2 * t] = acc.v[0];
+  c[g * ldc + 2 * t + 1] = acc.v[1];
+  c[(g + 8) * ldc + 2 * t] = acc.v[2];
+  c[(g + 8) * ldc + 2 * t + 1] = acc.v[3];
+}
+"""
+
+_METAL_MMA = """
+#include <metal_simdgroup_matrix>
+#define MMA_T float
+#define MMA_SHARED threadgroup
+#define MMA_CAST(x) ((float)(x))
+#define MMA_ACC MmaAcc
+#define MMA_ZERO(acc) { (acc).top = simdgroup_float8x8(0.0f); (acc).bottom = simdgroup_float8x8(0.0f); }
+#define MMA_16X8X16(acc, a, lda, b, ldb) mma_16x8x16((acc), (a), (lda), (b), (ldb))
+#define MMA_STORE(c, ldc, acc) mma_store((c), (ldc), (acc))
+struct MmaAcc { simdgroup_float8x8 top; simdgroup_float8x8 bottom; };
+// A as four 8×8 blocks; B (stored n-major: its transpose row-major) as two 8×8 blocks of k, loaded transposed.
+inline void mma_16x8x16(thread MmaAcc& acc, const threadgroup float* a, int lda, const threadgroup float* b, int ldb) {
+  simdgroup_float8x8 a00, a01, a10, a11, b0, b1;
+  simdgroup_load(a00, a, lda);
+  simdgroup_load(a01, a + 8, lda);
+  simdgroup_load(a10, a + 8 * lda, lda);
+  simdgroup_load(a11, a + 8 * lda + 8, lda);
+  simdgroup_load(b0, b, ldb, ulong2(0, 0), true);
+  simdgroup_load(b1, b + 8, ldb, ulong2(0, 0), true);
+  simdgroup_multiply_accumulate(acc.top, a00, b0, acc.top);
+  simdgroup_multiply_accumulate(acc.top, a01, b1, acc.top);
+  simdgroup_multiply_accumulate(acc.bottom, a10, b0, acc.bottom);
+  simdgroup_multiply_accumulate(acc.bottom, a11, b1, acc.bottom);
+}
+inline void mma_store(threadgroup float* c, int ldc, thread const MmaAcc& acc) {
+  simdgroup_store(acc.top, c, ldc);
+  simdgroup_store(acc.bottom, c + 8 * ldc, ldc);
+}
+"""
+
+
 def available_backend() -> str | None:
     """"cuda" or "metal" when the default device is a GPU whose MLX build runs custom kernels, else None.
 
@@ -125,12 +208,14 @@ def available_backend() -> str | None:
     return None
 
 
-def assemble(backend: str, body: str, header: str = "", defines: str = "") -> tuple[str, str]:
-    """(header, source) for `backend`: the dialect's header + `header`, and the prelude + `defines` + body."""
+def assemble(backend: str, body: str, header: str = "", defines: str = "",
+             matrix_ops: bool = False) -> tuple[str, str]:
+    """(header, source) for `backend`: the dialect's header (with the MMA ops where `matrix_ops`) + `header`, and
+    the prelude + `defines` + body."""
     if backend == "cuda":
-        return _CUDA_HEADER + header, _CUDA_PRELUDE + defines + body
+        return _CUDA_HEADER + (_CUDA_MMA if matrix_ops else "") + header, _CUDA_PRELUDE + defines + body
     if backend == "metal":
-        return _METAL_HEADER + header, _METAL_PRELUDE + defines + body
+        return _METAL_HEADER + (_METAL_MMA if matrix_ops else "") + header, _METAL_PRELUDE + defines + body
     raise ValueError(f"Unknown kernel backend {backend!r}; known are {', '.join(BACKENDS)}.")
 
 
@@ -144,9 +229,10 @@ class KernelSource:
     body: str
     header: str = ""
     defines: str = ""
+    matrix_ops: bool = False  # the body uses the MMA_* ops
 
     def for_backend(self, backend: str) -> tuple[str, str]:
-        return assemble(backend, self.body, self.header, self.defines)
+        return assemble(backend, self.body, self.header, self.defines, self.matrix_ops)
 
 
 def build(source: KernelSource, backend: str) -> Callable[..., list[mx.array]]:

@@ -164,6 +164,39 @@ inline float u2f(uint32_t c) {
 #define FMA(a, b, c) fmaf((a), (b), (c))
 #define ATAN2(y, x) atan2f((y), (x))
 #define SHARED_ADD(p, v) (*(p) += (v))  // fibers switch only at barriers and shuffles: a plain add is atomic here
+// The warp's matrix ops: every lane holds the whole 16×8 accumulator and computes it alone, after its warp has met
+// (as a shuffle does: every lane must call the op at the same line); tiles round to bfloat16 as CUDA's do.
+#define MMA_T float
+#define MMA_SHARED alignas(16) static
+#define MMA_CAST(x) emu::bf16_round(x)
+#define MMA_ACC emu::MmaAcc
+#define MMA_ZERO(acc) { for (int i_ = 0; i_ < 128; ++i_) (acc).v[i_] = 0.0f; }
+#define MMA_16X8X16(acc, a, lda, b, ldb) emu::mma_16x8x16((acc), (a), (lda), (b), (ldb), __LINE__)
+#define MMA_STORE(c, ldc, acc) emu::mma_store((c), (ldc), (acc), __LINE__)
+namespace emu {
+struct MmaAcc { float v[128]; };
+inline float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+inline void mma_16x8x16(MmaAcc& acc, const float* a, int lda, const float* b, int ldb, int line) {
+  lane_xor(0u, 0, line);  // the warp meets here, as the instruction needs every lane
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) {
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += a[m * lda + k] * b[n * ldb + k];
+      acc.v[m * 8 + n] += sum;
+    }
+}
+inline void mma_store(float* c, int ldc, const MmaAcc& acc, int line) {
+  lane_xor(0u, 0, line);
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 8; ++n) c[m * ldc + n] = acc.v[m * 8 + n];
+}
+}  // namespace emu
 """
 
 _PRELUDE = """
