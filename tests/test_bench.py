@@ -742,6 +742,24 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(clip[2], by_encode[(2, False)]["prefill_tok_s"] / run_fp16)
     checked.append(clip[0])
 
+    chunk = re.search(r"On a GPU the app now prefills in chunks of 2,048 tokens where the memory\s+check allows, not 512: "
+                      r"fed the app's pipelined way, the 4-, 3- and 2-bit levels then prefilled at (\d\.\d\d)×, "
+                      r"(\d\.\d\d)× and\s+(\d\.\d\d)× of the 16-bit cache's speed, against (\d\.\d\d)×, "
+                      r"(\d\.\d\d)× and (\d\.\d\d)× in 512-token chunks\s+"
+                      r"\(`benchmarks/results/prefill-app-chunk-h200.json`; BENCHMARKS.md, \*round 21\*\)\.", section, re.S)
+    assert chunk, "README no longer quotes the app's GPU prefill chunk against 512"
+    from engine.planning.recommend import GPU_PREFILL_CHUNKS
+
+    quoted = iter(chunk.groups())
+    for size in (GPU_PREFILL_CHUNKS[0], 512):
+        (rows,) = (run["prefill"] for run in json.loads((COMMITTED / "prefill-app-chunk-h200.json").read_text())["runs"]
+                   if {r["prefill_chunk"] for r in run["prefill"]} == {size})
+        fp16 = next(r for r in rows if r["spec"] == "fp16")["pipelined_prefill_tok_s"]
+        for key, row in zip(("4", "3", "2"), (r for r in rows if r["spec"] != "fp16"), strict=True):
+            _assert_gpu_level(row, key)
+            assert close(next(quoted), row["pipelined_prefill_tok_s"] / fp16), (size, key)
+    checked.append(chunk[0])
+
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
                        r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
                        r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "
