@@ -99,6 +99,10 @@ template <typename T, int K16>
 INLINE float keep16(float v) { return (float)static_cast<T>(v); }
 #endif
 
+// v clipped to [b, t] and kept in 16 bits (a clipped candidate's entries and bounds)
+template <typename T, int K16>
+INLINE float clamp16(float v, float b, float t) { return keep16<T, K16>(MIN2(MAX2(v, b), t)); }
+
 // A group's entry i: x[i * stride], or `fill` at index `at` (a key block's outlier, set aside).
 template <typename T>
 INLINE float entry(const GLOBAL T* x, long stride, int i, int at, float fill) {
@@ -137,10 +141,10 @@ INLINE U32 group_code(float x, float scale, float bias, int bits) {
 // The clip search (`kivi.clipped_quantize`, rule 3): of the candidate ranges, the group itself, then [mid - r half,
 // mid + r half] for r in CLIP_RATIOS and at 1 bit the two means, the first of least squared error against the entries
 // (each candidate's entries clipped and kept in 16 bits, coded by rule 0, decoded with the kept scale and bias).
-// Returns its bounds (`clipped` false: the group itself).
+// Returns its bounds (`clipped` false: the group itself) and narrows [lo, hi] to them.
 template <typename T, int K16>
-INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fill, float lo, float hi, int bits,
-                        THREAD bool& clipped, THREAD float& bottom, THREAD float& top) {
+INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fill, THREAD float& lo, THREAD float& hi,
+                        int bits, THREAD bool& clipped, THREAD float& bottom, THREAD float& top) {
   const float mid = (lo + hi) / 2.0f;
   const float half = (hi - lo) / 2.0f;
   const int candidates = NCLIP + (bits == 1 ? 1 : 0);
@@ -164,14 +168,14 @@ INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fil
       b = mid - CLIP_RATIO(k) * half;
       t = mid + CLIP_RATIO(k) * half;
     }
-    const float c_lo = k == 0 ? lo : keep16<T, K16>(MIN2(MAX2(lo, b), t));
-    const float c_hi = k == 0 ? hi : keep16<T, K16>(MIN2(MAX2(hi, b), t));
+    const float c_lo = k == 0 ? lo : clamp16<T, K16>(lo, b, t);
+    const float c_hi = k == 0 ? hi : clamp16<T, K16>(hi, b, t);
     float scale, bias, kept_scale, kept_bias;
     group_rule<T, K16>(c_lo, c_hi, bits, 0, scale, bias, kept_scale, kept_bias);
     float error = 0.0f;
     for (int i = 0; i < n; ++i) {
       const float v = entry(x, stride, i, at, fill);
-      const float c = k == 0 ? v : keep16<T, K16>(MIN2(MAX2(v, b), t));
+      const float c = k == 0 ? v : clamp16<T, K16>(v, b, t);
       const float decoded = (float)group_code(c, scale, bias, bits) * kept_scale + kept_bias;
       error += (decoded - v) * (decoded - v);
     }
@@ -181,6 +185,10 @@ INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fil
       bottom = b;
       top = t;
     }
+  }
+  if (clipped) {
+    lo = clamp16<T, K16>(lo, bottom, top);
+    hi = clamp16<T, K16>(hi, bottom, top);
   }
 }
 """
@@ -229,13 +237,7 @@ _BODY = """
     float lo = KO && !take_top ? low2 : low;
     bool clipped = false;
     float bottom = lo, ceiling = hi;
-    if (KQ == 3) {
-      clip_search<TD, TDK>(x, D, GK, at, fill, lo, hi, w, clipped, bottom, ceiling);
-      if (clipped) {
-        lo = keep16<TD, TDK>(MIN2(MAX2(lo, bottom), ceiling));
-        hi = keep16<TD, TDK>(MIN2(MAX2(hi, bottom), ceiling));
-      }
-    }
+    if (KQ == 3) clip_search<TD, TDK>(x, D, GK, at, fill, lo, hi, w, clipped, bottom, ceiling);
     float scale, bias, kept_scale, kept_bias;
     group_rule<TD, TDK>(lo, hi, w, KQ == 1 ? 1 : 0, scale, bias, kept_scale, kept_bias);
     const long words = (long)GK * w / 32;
@@ -245,7 +247,7 @@ _BODY = """
     U32 outlier_code = 0u;
     for (int t = 0; t < GK; ++t) {
       const float v = entry(x, (long)D, t, at, fill);
-      const U32 code = group_code(clipped ? keep16<TD, TDK>(MIN2(MAX2(v, bottom), ceiling)) : v, scale, bias, w);
+      const U32 code = group_code(clipped ? clamp16<TD, TDK>(v, bottom, ceiling) : v, scale, bias, w);
       if (t == at) outlier_code = code;
       PACK_CODE(dst, code, w, pos, acc);
     }
@@ -273,13 +275,7 @@ _BODY = """
     const float half = (float)((1 << VB) - 1) / 2.0f;
     bool clipped = false;
     float bottom = lo, ceiling = hi;
-    if (VQ == 3) {
-      clip_search<TD, TDK>(x, 1, G, -1, 0.0f, lo, hi, VB, clipped, bottom, ceiling);
-      if (clipped) {
-        lo = keep16<TD, TDK>(MIN2(MAX2(lo, bottom), ceiling));
-        hi = keep16<TD, TDK>(MIN2(MAX2(hi, bottom), ceiling));
-      }
-    }
+    if (VQ == 3) clip_search<TD, TDK>(x, 1, G, -1, 0.0f, lo, hi, VB, clipped, bottom, ceiling);
     float scale, bias, kept_scale, kept_bias;
     if (VQ == 2) {                      // symmetric: x = s (code - h), s = max|x| / h
       kept_scale = keep16<TD, TDK>(MAX2(ABS1(lo), ABS1(hi)) / half);
@@ -294,7 +290,7 @@ _BODY = """
     int pos = 0;
     U32 acc = 0u;
     for (int c = 0; c < G; ++c) {
-      const float v = clipped ? keep16<TD, TDK>(MIN2(MAX2((float)x[c], bottom), ceiling)) : (float)x[c];
+      const float v = clipped ? clamp16<TD, TDK>((float)x[c], bottom, ceiling) : (float)x[c];
       const U32 code = VQ == 2 ? (U32)MIN2(MAX2(RINT(v / scale + half), 0.0f), 2.0f * half)
                                : group_code(v, scale, bias, VB);
       PACK_CODE(dst, code, VB, pos, acc);
