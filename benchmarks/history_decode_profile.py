@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode import spec_constants, split_spec  # noqa: E402
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape  # noqa: E402
+from engine.kvcache.kernels import available_backend, dequantize  # noqa: E402
 from engine.kvcache.quant.bitpack import unpack_bits  # noqa: E402
 from engine.kvcache.quant.sketch import signs_as_pm_one  # noqa: E402
 
@@ -75,6 +76,13 @@ def _profile(spec: str, tokens: int, chunk_queries: int) -> dict:
         row["pm_f16_ms"] = timed(lambda: unpack_bits(store[name], 1, m).astype(mx.float16) * 2 - 1)
         row["sketch_matmul_f16_ms"] = timed(lambda: signs16 @ sketch)
         row["unpack_u8_ms"] = timed(lambda: unpack_bits(store[name], 1, m))
+        backend = available_backend()
+        if backend is not None:  # the kernel path's parts: the ±1 rows, then with the Sᵀ·sign matmul (and its blocks)
+            count = min(dequantize.SKETCH_HISTORY_BLOCK, cache.n_compressed)
+            row["sign_rows_block_ms"] = timed(lambda: dequantize.sign_rows(store[name], count, m, backend))
+            row["sign_rows_block_tokens"] = count
+            row["projection_ms"] = timed(
+                lambda: dequantize._sketch_projection(store[name], sketch, cache.n_compressed, backend))
     if hasattr(cache, "_decode_unit"):
         row["decode_unit_key_ms"] = timed(lambda: cache._decode_unit(store, "key"))
         row["decode_unit_value_ms"] = timed(lambda: cache._decode_unit(store, "value"))

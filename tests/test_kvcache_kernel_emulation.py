@@ -329,6 +329,29 @@ def test_emulated_qjl_encode_kernel_matches_reference(spec: str, head_dim: int) 
             assert error <= 2**-10, (name, error)
 
 
+@pytest.mark.parametrize("rows,head_dim", [(512, 128), (64, 64)])
+def test_sign_pack_kernel_packs_as_sketch_signs(rows: int, head_dim: int) -> None:
+    """The sign-packing launch (a long chunk's qjl keys) gives sketch_signs' words exactly, and each bit is its
+    projection's sign (1 = non-negative: a zero vector's projections pack to all ones), read back with numpy."""
+    from engine.kvcache.kernels import encode
+    from engine.kvcache.quant.sketch import sketch_signs
+
+    rng = np.random.default_rng(rows)
+    sketch = mx.array(rng.standard_normal((rows, head_dim)).astype(np.float16))
+    vectors = rng.standard_normal((1, 3, 37, head_dim), dtype=np.float32)
+    vectors[0, 1, 5] = 0.0
+    vectors = mx.array(vectors)
+    got = encode.sketch_signs_packed(vectors, sketch, EMULATE)
+    assert got.shape == (1, 3, 37, rows // 32) and got.dtype == mx.uint32
+    assert mx.array_equal(got, sketch_signs(vectors, sketch))
+    projected = np.array(vectors.astype(mx.float32) @ sketch.astype(mx.float32).T)
+    bits = (np.array(got)[..., :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    assert np.array_equal(bits.reshape(projected.shape), (projected >= 0).astype(np.uint32))
+    assert bool(np.all(bits[0, 1, 5] == 1)) and 0.3 < float(bits.mean()) < 0.7
+    with pytest.raises(ValueError, match="multiple of 32"):
+        encode.sketch_signs_packed(vectors, sketch[:48], EMULATE)
+
+
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "qjl:k1v4:g64", "turboquant_prod:k4v4:g64"])
 def test_sketch_encode_kernel_takes_long_chunks_only_of_small_sketches(spec: str,
@@ -339,10 +362,13 @@ def test_sketch_encode_kernel_takes_long_chunks_only_of_small_sketches(spec: str
     from engine.kvcache.kernels import encode
 
     launches = []
+    packs = []
     module = "qjl" if spec.startswith("qjl") else "turboquant_prod"
     real = encode.codebook_encode
     monkeypatch.setattr(f"engine.kvcache.methods.{module}.codebook_encode",
                         lambda *a, **k: launches.append(a[0].shape[-2]) or real(*a, **k))
+    real_pack = encode.sketch_signs_packed
+    monkeypatch.setattr(encode, "sketch_signs_packed", lambda *a, **k: packs.append(a[0].shape[-2]) or real_pack(*a, **k))
     cache = KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(ModelShape(1, 8, 2, 128)).build()[0]
     keys = mx.array(np.random.default_rng(3).standard_normal((1, 2, 100, 128), dtype=np.float32))
     cache._setup_from(keys, keys)
@@ -351,7 +377,7 @@ def test_sketch_encode_kernel_takes_long_chunks_only_of_small_sketches(spec: str
     kernel_launches = 1 if module == "qjl" else 2  # turboquant_prod's values have their own launch
     long_chunk = cache._encode(keys, keys)
     if spec == "qjl:k4v4:g64":
-        assert launches == []
+        assert launches == [] and packs == [100]  # S·k by MLX's matmul, the signs packed in one launch
         assert all(mx.array_equal(long_chunk[n], reference[n]) for n in reference), spec
     else:
         assert launches == [100] * kernel_launches

@@ -27,7 +27,7 @@ from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
 from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
-from engine.kvcache.kernels.encode import encode_source
+from engine.kvcache.kernels.encode import SIGN_PACK_SOURCE, encode_source, sketch_signs_packed
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
 from tests.kvcache_helpers import (
     filled_then_stepped,
@@ -58,7 +58,7 @@ ALL_SOURCES = (
     *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
     *(kivi_encode_source(classes, outliers, symmetric) for classes in (1, 4) for outliers in (False, True)
       for symmetric in (False, True)),
-    mma_gemm_source(),
+    mma_gemm_source(), SIGN_PACK_SOURCE,
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -737,6 +737,24 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
                                                   kivi_group_errors(cache, reference, keys, values), strict=True):
                 worse = got_error > ref_error * (1 + 1e-3) + 1e-6
                 assert not bool(mx.any(worse)), (role, int(mx.sum(worse)), float(mx.max(got_error - ref_error)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows,head_dim,tokens", [(512, 128, 2048), (128, 128, 777), (128, 64, 4097)])
+def test_sign_pack_kernel_matches_mlx_packing(rows: int, head_dim: int, tokens: int) -> None:
+    """The sign-packing launch on this GPU against quant/sketch.py's sketch_signs on the same device (the same float32
+    matmul, then MLX's packing): equal word for word, a zero vector's words all ones. The parity run behind a
+    backend's place in encode.SIGN_PACK_BACKENDS."""
+    from engine.kvcache.quant.sketch import sketch_signs
+
+    rng = np.random.default_rng(tokens)
+    sketch = mx.array(rng.standard_normal((rows, head_dim)).astype(np.float16))
+    vectors = rng.standard_normal((1, 8, tokens, head_dim), dtype=np.float32)
+    vectors[0, 3, 7] = 0.0
+    vectors = mx.array(vectors).astype(mx.bfloat16)
+    got = sketch_signs_packed(vectors, sketch, available_backend())
+    assert mx.array_equal(got, sketch_signs(vectors, sketch))
+    assert bool(mx.all(got[0, 3, 7] == 0xFFFFFFFF))
 
 
 @needs_gpu

@@ -319,23 +319,29 @@ def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend
     """Σ_j sign_j·S[j, :] (float32 [B, n_kv, n_tokens, D]) for the first `n_tokens` tokens' packed signs
     [B, n_kv, capacity, m/32], SKETCH_HISTORY_BLOCK tokens at a time (the ±1 rows of a block are m floats a token:
     a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once)."""
-    batch, n_kv = signs.shape[:2]
     rows = int(sketch.shape[0])
     sketch32 = sketch.astype(mx.float32)
     parts = []
     for start in range(0, n_tokens, SKETCH_HISTORY_BLOCK):
         count = min(SKETCH_HISTORY_BLOCK, n_tokens - start)
         block = signs if (start == 0 and count == signs.shape[2]) else signs[:, :, start : start + count]
-        (pm,) = kernel(SIGNS_SOURCE, backend)(
-            inputs=[RULER(count), block],
-            template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
-            grid=((count * rows + THREADS - 1) // THREADS * THREADS, batch * n_kv, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(batch, n_kv, count, rows)],
-            output_dtypes=[mx.float32],
-        )
-        parts.append(pm @ sketch32)
+        parts.append(sign_rows(block, count, rows, backend) @ sketch32)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def sign_rows(signs: mx.array, n_tokens: int, rows: int, backend: str) -> mx.array:
+    """The first `n_tokens` tokens' packed signs [B, n_kv, ≥ n_tokens, rows/32] as float32 ±1 [B, n_kv, n_tokens, rows]
+    (`_SIGNS_BODY`)."""
+    batch, n_kv = signs.shape[:2]
+    (pm,) = kernel(SIGNS_SOURCE, backend)(
+        inputs=[RULER(n_tokens), signs],
+        template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
+        grid=((n_tokens * rows + THREADS - 1) // THREADS * THREADS, batch * n_kv, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(batch, n_kv, n_tokens, rows)],
+        output_dtypes=[mx.float32],
+    )
+    return pm
 
 
 def dequantize_history(

@@ -230,6 +230,53 @@ def sketch_encode_takes(backend: str | None, n_tokens: int, rows: int, head_dim:
         return False
     return SKETCH_ENCODE_MAX_TOKENS is None or rows <= head_dim or n_tokens <= SKETCH_ENCODE_MAX_TOKENS
 
+# Sketched keys of a long chunk (past SKETCH_ENCODE_MAX_TOKENS) take S·k from one MLX matmul, then their signs are
+# packed here in one launch: a thread per 32-bit word reads its 32 projections (bit b: projection 32w + b >= 0, as
+# quant/sketch.py's sketch_signs), in place of `pack_bits`' MLX chain (a comparison, casts, a product with each bit's
+# place and a sum over a [.., m/32, 32] array), which was most of qjl:k4v4's 0.87 ms to encode a 2,048-token chunk of
+# 8 kv heads on the H200 (its matmul ~0.02 ms; prefill-layer-sketch-h200.json). Backends where it runs (elsewhere
+# `pack_bits`): CUDA passed the GPU parity test on the H200 (test_sign_pack_kernel_matches_mlx_packing, word for word;
+# kernel-parity-sign-pack-h200.log), where qjl:k4v4's 32k-token prefill ran at 5,682 tok/s with it against 5,407
+# without in one process (pipelined 6,139 against 6,027; fp16 7,289 / 8,079; prefill-sign-pack-h200.log). Metal runs
+# the same body: enabled by construction.
+SIGN_PACK_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+
+_SIGN_PACK_BODY = """
+  // Template: W (words per row), NT. Thread: word w of one row of `proj` [rows, 32·W] (float32).
+  const long idx = (long)GROUP_X * NT + TID;
+  if (idx < (long)proj_shape[0] * W) {
+    const GLOBAL float* p = proj + idx * 32;   // (row, w) in row-major order: the row's entries 32w .. 32w + 31
+    U32 word = 0u;
+    for (int b = 0; b < 32; ++b) word |= (p[b] >= 0.0f ? 1u : 0u) << b;
+    packed[idx] = word;
+  }
+"""
+SIGN_PACK_SOURCE = KernelSource(name="velox_sign_pack", input_names=("proj",), output_names=("packed",),
+                                body=_SIGN_PACK_BODY)
+
+
+def sketch_signs_packed(vectors: mx.array, sketch: mx.array, backend: str) -> mx.array:
+    """sign(S x) of [..., n, D] vectors packed as quant/sketch.py's `sketch_signs` packs them (uint32 [..., n, m/32],
+    1 = non-negative): the same float32 matmul, the packing in one launch (`_SIGN_PACK_BODY`)."""
+    projected = vectors.astype(mx.float32) @ sketch.astype(mx.float32).T
+    *lead, m = projected.shape
+    if m % 32:
+        raise ValueError(f"Sign packing takes a multiple of 32 sketch rows, not {m}.")
+    rows = 1
+    for size in lead:
+        rows *= size
+    words = rows * (m // 32)
+    (packed,) = kernel(SIGN_PACK_SOURCE, backend)(
+        inputs=[projected.reshape(rows, m)],
+        template=[("W", m // 32), ("NT", THREADS)],
+        grid=((words + THREADS - 1) // THREADS * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, m // 32)],
+        output_dtypes=[mx.uint32],
+    )
+    return packed
+
+
 # Backends where PolarQuant's keys and values encode through the polar kernel (`polar_encode`); elsewhere through
 # MLX operations (~100 small ones per role: the transform's levels, a code search per level, two packings). The CPU
 # emulator checks it against the reference (tests/test_kvcache_kernel_emulation.py); CUDA passed the GPU parity test
