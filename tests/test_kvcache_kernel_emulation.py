@@ -445,6 +445,27 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
+def test_sketch_history_rows_in_float16_only_for_qjl_in_16_bits(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qjl's history (decoded into the cache's 16-bit dtype) takes its ±1 rows in float16 where the backend is in
+    SKETCH_HALF_BACKENDS, within 2^-10 of the float32 rows' history (its keys are the projection scaled);
+    turboquant_prod's, and any history on a backend left out, keep float32 rows."""
+    from engine.kvcache.kernels import dequantize
+
+    dtypes = []
+    real = dequantize.sign_rows
+    monkeypatch.setattr(dequantize, "sign_rows", lambda *a, **k: dtypes.append(a[4]) or real(*a, **k))
+    cache = _filled(spec, 301, 128, 2, seed=4)
+    store = cache._compressed_view()
+    half = cache._decoded_history(store, mx.float16)
+    monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", ())
+    full = cache._decoded_history(store, mx.float16)
+    assert dtypes == [mx.float16 if spec.startswith("qjl") else mx.float32, mx.float32]
+    error = mx.abs(half[0].astype(mx.float32) - full[0].astype(mx.float32)) / (mx.abs(full[0].astype(mx.float32)) + 1e-2)
+    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(half[1], full[1])
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k3v3:g64:w5:s2"])
 def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sketched keys' history rebuilt SKETCH_HISTORY_BLOCK tokens at a time (a partial last block included) equals the

@@ -533,12 +533,14 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
     sines and cosines within one bf16 unit (MLX's dequantize rounds in 16 bits on the way; the kernel takes the
     fast sine and cosine). The parity run behind CUDA's and Metal's place in dequantize.BACKENDS (the caches decode
     their history with the kernel as shipped) and, for PolarQuant, in decode.POLAR_BACKENDS, for sketched keys in
-    dequantize.SKETCH_HISTORY_BACKENDS (let in for the test; the estimator's Sᵀ·sign summed in another order)."""
+    dequantize.SKETCH_HISTORY_BACKENDS (let in for the test; the estimator's Sᵀ·sign summed in another order), and for
+    qjl's ±1 rows in float16 in dequantize.SKETCH_HALF_BACKENDS (let in too)."""
     from engine.kvcache.kernels import decode, dequantize
 
     monkeypatch.setattr(decode, "POLAR_BACKENDS", (*decode.POLAR_BACKENDS, available_backend()))
     monkeypatch.setattr(dequantize, "SKETCH_HISTORY_BACKENDS",
                         (*dequantize.SKETCH_HISTORY_BACKENDS, available_backend()))
+    monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", (*dequantize.SKETCH_HALF_BACKENDS, available_backend()))
     method, bits, group, window, sinks, *extra = spec
     for tokens in (70, 4097):
         cache = _filled(method, bits, group, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)

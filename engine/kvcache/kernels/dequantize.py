@@ -137,6 +137,14 @@ SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "si
 # how many tokens' ±1 rows one matmul takes.
 SKETCH_HISTORY_MATMUL = True
 SKETCH_HISTORY_BLOCK = 4096
+# Backends where qjl's history written in 16 bits takes its ±1 rows and S in float16 (±1 exact, S stored in float16:
+# the same products; MLX's float16 matmul accumulates in float32 on CUDA and rounds each Σ sign·S entry once to float16,
+# 2^-11 of it: the key is that sum scaled, so within its 16-bit history's own rounding; turboquant_prod keeps float32,
+# see dequantize_history): half the rows' bytes, and on the H200 MLX's float16 matmul
+# took 0.14 ms against float32's 0.27 at 14,336 tokens, the ±1 rows 0.21 ms a 4,096-token block in float32
+# (history-profile-r5-h200.json). A GPU parity run decides. (A history is decoded into the cache's 16-bit dtype, so
+# the float32 rows remain only for turboquant_prod and a backend left out.)
+SKETCH_HALF_BACKENDS: tuple[str, ...] = ("emulate",)
 
 # KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
 # so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
@@ -315,31 +323,35 @@ def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSou
     )
 
 
-def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend: str) -> mx.array:
-    """Σ_j sign_j·S[j, :] (float32 [B, n_kv, n_tokens, D]) for the first `n_tokens` tokens' packed signs
-    [B, n_kv, capacity, m/32], SKETCH_HISTORY_BLOCK tokens at a time (the ±1 rows of a block are m floats a token:
-    a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once)."""
+def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend: str,
+                       dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Σ_j sign_j·S[j, :] ([B, n_kv, n_tokens, D]) for the first `n_tokens` tokens' packed signs
+    [B, n_kv, capacity, m/32], SKETCH_HISTORY_BLOCK tokens at a time (the ±1 rows of a block are m entries a token:
+    a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once). In float32, or in float16
+    where `dtype` (the history's) is 16-bit and the backend is in SKETCH_HALF_BACKENDS."""
     rows = int(sketch.shape[0])
-    sketch32 = sketch.astype(mx.float32)
+    half = dtype != mx.float32 and backend in SKETCH_HALF_BACKENDS
+    work = mx.float16 if half else mx.float32
+    sketch_w = sketch.astype(work)
     parts = []
     for start in range(0, n_tokens, SKETCH_HISTORY_BLOCK):
         count = min(SKETCH_HISTORY_BLOCK, n_tokens - start)
         block = signs if (start == 0 and count == signs.shape[2]) else signs[:, :, start : start + count]
-        parts.append(sign_rows(block, count, rows, backend) @ sketch32)
+        parts.append(sign_rows(block, count, rows, backend, work) @ sketch_w)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
-def sign_rows(signs: mx.array, n_tokens: int, rows: int, backend: str) -> mx.array:
-    """The first `n_tokens` tokens' packed signs [B, n_kv, ≥ n_tokens, rows/32] as float32 ±1 [B, n_kv, n_tokens, rows]
-    (`_SIGNS_BODY`)."""
+def sign_rows(signs: mx.array, n_tokens: int, rows: int, backend: str, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The first `n_tokens` tokens' packed signs [B, n_kv, ≥ n_tokens, rows/32] as ±1 [B, n_kv, n_tokens, rows] in
+    `dtype` (`_SIGNS_BODY`)."""
     batch, n_kv = signs.shape[:2]
     (pm,) = kernel(SIGNS_SOURCE, backend)(
         inputs=[RULER(n_tokens), signs],
-        template=[("W", rows // 32), ("NT", THREADS), ("TD", mx.float32)],
+        template=[("W", rows // 32), ("NT", THREADS), ("TD", dtype)],
         grid=((n_tokens * rows + THREADS - 1) // THREADS * THREADS, batch * n_kv, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, n_kv, n_tokens, rows)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[dtype],
     )
     return pm
 
@@ -386,7 +398,11 @@ def dequantize_history(
     extra = [sketch] if sketched else []
     proj = sketched and SKETCH_HISTORY_MATMUL
     if proj:
-        extra = [_sketch_projection(key_arrays[0] if key.kind == "qjl" else key_arrays[4], sketch, n_tokens, backend)]
+        # float16 rows only for qjl, whose key is its projection scaled (the same relative error); turboquant_prod adds
+        # the projection of a residual to its centroids, and that term can exceed the key entry it corrects (2^-11 of it
+        # was ~1 % of small entries in the emulator's test)
+        extra = [_sketch_projection(key_arrays[0] if key.kind == "qjl" else key_arrays[4], sketch, n_tokens, backend,
+                                    dtype if key.kind == "qjl" else mx.float32)]
     keys, values = kernel(dequantize_source(key, value, proj), backend)(
         inputs=[RULER(n_tokens), *key_arrays, *value_arrays, *extra],
         template=template,
