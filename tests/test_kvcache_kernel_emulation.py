@@ -444,6 +444,50 @@ def test_history_decode_kernel_matches_reference(spec: str, monkeypatch: pytest.
             assert float(mx.max(mx.abs(out - ref))) <= 2e-3, spec
 
 
+@pytest.mark.parametrize("rows,head_dim,tokens,capacity", [(512, 128, 77, 100), (128, 128, 301, 320),
+                                                          (128, 64, 130, 130), (64, 64, 1, 64)])
+def test_sketch_projection_on_matrix_ops_equals_the_sign_rows_matmul(rows: int, head_dim: int, tokens: int,
+                                                                      capacity: int) -> None:
+    """Σ sign·S on the warp matrix ops (S split into two bfloat16 tiles that sum to it exactly) against the ±1 rows'
+    float32 matmul: within float32 summation order, for the first `tokens` of a larger buffer (a partial last tile)."""
+    from engine.kvcache.kernels import dequantize
+
+    rng = np.random.default_rng(tokens)
+    sketch = mx.array(rng.standard_normal((rows, head_dim)).astype(np.float16))
+    signs = mx.array(rng.integers(0, 2**32, size=(1, 3, capacity, rows // 32), dtype=np.uint64).astype(np.uint32))
+    got = dequantize.sketch_projection_mma(signs, sketch, tokens, EMULATE)
+    want = dequantize.sign_rows(signs, tokens, rows, EMULATE) @ sketch.astype(mx.float32)
+    assert got.shape == want.shape == (1, 3, tokens, head_dim) and got.dtype == mx.float32
+    # float32 sums of `rows` terms of size ~1 in another order: relative to the partial sums' size, sqrt(rows)
+    error = float(mx.max(mx.abs(got - want) / (mx.abs(want) + rows**0.5)))
+    assert error <= 1e-6
+    # a bfloat16 copy of S alone (no second tile) is off by far more: the split is what makes it exact
+    coarse = dequantize.sign_rows(signs, tokens, rows, EMULATE) @ sketch.astype(mx.bfloat16).astype(mx.float32)
+    assert float(mx.max(mx.abs(coarse - want) / (mx.abs(want) + rows**0.5))) > 100 * max(error, 1e-7)
+
+
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
+def test_sketch_history_takes_the_projection_on_matrix_ops(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the backend is in SKETCH_MMA_BACKENDS sketched keys' history takes the projection on matrix ops (one
+    launch, no ±1 rows), within 2^-10 of the ±1 rows' history; values unchanged."""
+    from engine.kvcache.kernels import dequantize
+
+    calls = []
+    real = dequantize.sketch_projection_mma
+    monkeypatch.setattr(dequantize, "sketch_projection_mma", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    cache = _filled(spec, 301, 128, 2, seed=6)
+    store = cache._compressed_view()
+    mma = cache._decoded_history(store, mx.float16)
+    assert calls == [cache.n_compressed]
+    monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())
+    monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", ())
+    rows = cache._decoded_history(store, mx.float16)
+    assert calls == [cache.n_compressed]
+    error = mx.abs(mma[0].astype(mx.float32) - rows[0].astype(mx.float32)) / (mx.abs(rows[0].astype(mx.float32)) + 1e-2)
+    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(mma[1], rows[1])
+
+
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
 def test_sketch_history_rows_in_float16_only_for_qjl_in_16_bits(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -452,6 +496,7 @@ def test_sketch_history_rows_in_float16_only_for_qjl_in_16_bits(spec: str, monke
     turboquant_prod's, and any history on a backend left out, keep float32 rows."""
     from engine.kvcache.kernels import dequantize
 
+    monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())  # the ±1 rows' path (the projection on MMA has none)
     dtypes = []
     real = dequantize.sign_rows
     monkeypatch.setattr(dequantize, "sign_rows", lambda *a, **k: dtypes.append(a[4]) or real(*a, **k))
@@ -472,6 +517,7 @@ def test_sketch_history_in_blocks_equals_one_block(spec: str, monkeypatch: pytes
     same rebuilt at once, and the per-thread sums of the kernel's other form within float rounding."""
     from engine.kvcache.kernels import dequantize
 
+    monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())  # the ±1 rows' path, in blocks
     cache = _filled(spec, 301, 128, 2, seed=11)
     store = cache._compressed_view()
     whole = cache._decoded_history(store, mx.float32)

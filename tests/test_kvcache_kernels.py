@@ -26,7 +26,7 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
-from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, dequantize_source
+from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, SKETCH_MMA_SOURCE, dequantize_source
 from engine.kvcache.kernels.encode import SIGN_PACK_SOURCE, encode_source, sketch_signs_packed
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
 from tests.kvcache_helpers import (
@@ -58,7 +58,7 @@ ALL_SOURCES = (
     *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
     *(kivi_encode_source(classes, outliers, symmetric) for classes in (1, 4) for outliers in (False, True)
       for symmetric in (False, True)),
-    mma_gemm_source(), SIGN_PACK_SOURCE,
+    mma_gemm_source(), SIGN_PACK_SOURCE, SKETCH_MMA_SOURCE,
 )
 
 # The specs the parity tests cover: every method, untidy windows and sinks, several widths.
@@ -739,6 +739,24 @@ def test_kivi_encode_kernel_matches_reference(level: str, monkeypatch: pytest.Mo
                                                   kivi_group_errors(cache, reference, keys, values), strict=True):
                 worse = got_error > ref_error * (1 + 1e-3) + 1e-6
                 assert not bool(mx.any(worse)), (role, int(mx.sum(worse)), float(mx.max(got_error - ref_error)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows,head_dim,tokens", [(512, 128, 14336), (512, 128, 777), (128, 128, 4097), (128, 64, 33)])
+def test_sketch_projection_on_matrix_ops_matches_the_rows_on_the_gpu(rows: int, head_dim: int, tokens: int) -> None:
+    """Σ sign·S on this GPU's matrix units (S as two bfloat16 tiles summing to it) against the ±1 rows' float32 matmul
+    on the same device, within float32 summation order: the parity run behind a backend's place in
+    dequantize.SKETCH_MMA_BACKENDS (with the history parity test, which compares the rows' path with the reference)."""
+    from engine.kvcache.kernels import dequantize
+
+    rng = np.random.default_rng(tokens)
+    sketch = mx.array(rng.standard_normal((rows, head_dim)).astype(np.float16))
+    signs = mx.array(rng.integers(0, 2**32, size=(1, 8, tokens + 5, rows // 32), dtype=np.uint64).astype(np.uint32))
+    backend = available_backend()
+    got = dequantize.sketch_projection_mma(signs, sketch, tokens, backend)
+    want = dequantize.sign_rows(signs, tokens, rows, backend) @ sketch.astype(mx.float32)
+    # float32 sums of `rows` terms of size ~1 in another order: relative to the partial sums' size, sqrt(rows)
+    assert float(mx.max(mx.abs(got - want) / (mx.abs(want) + rows**0.5))) <= 1e-5
 
 
 @needs_gpu

@@ -133,6 +133,91 @@ _SIGNS_BODY = """
 """
 SIGNS_SOURCE = KernelSource(name="velox_sign_rows", input_names=("n_comp_r", "signs"), output_names=("pm",),
                             body=_SIGNS_BODY)
+# The projection Σ_j sign_j·S[j, :] on the GPU's matrix units, with no ±1 rows in device memory (SKETCH_MMA_BACKENDS):
+# a threadgroup of 4 warps takes 64 tokens of one kv head, each warp 16 of them against every channel (D/8 accumulator
+# tiles); per 16 sketch rows the warp writes its tokens' signs as ±1 tiles in shared memory and the threadgroup stages
+# those 16 rows of S, transposed, as two tiles whose sum is S exactly (MMA_CAST(s) and MMA_CAST of the rest: a float16
+# entry has 11 significant bits, a bfloat16 8, the rest at most 3 more), so the products are S's own and the sums are
+# float32 as the matmul's. The result is float32 [B, n_kv, n, D], what `_BODY` reads with PROJ.
+_SKETCH_MMA_BODY = """
+  // Template: D (head_dim, a multiple of 8), M (sketch rows, a multiple of 32), NT (128: 4 warps).
+  constexpr int NW = NT / 32;
+  constexpr int KC = 16;                 // sketch rows per step (one MMA's k)
+  constexpr int LD = KC + 4;             // tiles' row stride (even, off the 32-bank period)
+  constexpr int NTILE = D / 8;           // accumulator tiles per warp: every channel
+  constexpr int W = M / 32;              // sign words per token
+  const int n = (int)n_comp_r_shape[0] - 1;
+  const int bh = GROUP_Y;
+  const int warp = TID / 32;
+  const int lane = TID % 32;
+  const int t0 = GROUP_X * (NW * 16) + warp * 16;   // the warp's first token
+  MMA_SHARED MMA_T a_s[NW * 16 * LD];    // each warp's 16 tokens x KC signs as ±1, row-major
+  MMA_SHARED MMA_T hi_s[D * LD];         // S's KC rows, transposed (channel-major: element (k, ch) at ch * LD + k)
+  MMA_SHARED MMA_T lo_s[D * LD];         // ... and what MMA_CAST left of them
+  SHARED float c_s[NW * 16 * 8];         // one accumulator tile per warp on its way out
+  const GLOBAL U32* my_signs = signs + ((long)bh * signs_shape[2]) * W;
+  MMA_ACC acc[NTILE];
+  for (int j = 0; j < NTILE; ++j) MMA_ZERO(acc[j]);
+  for (int k0 = 0; k0 < M; k0 += KC) {
+    BARRIER();   // the previous step's readers of the tiles are done
+    for (int i = TID; i < KC * D; i += NT) {
+      const int k = i / D;
+      const int ch = i - k * D;
+      const float v = (float)sk[(long)(k0 + k) * D + ch];
+      const MMA_T high = MMA_CAST(v);
+      hi_s[ch * LD + k] = high;
+      lo_s[ch * LD + k] = MMA_CAST(v - (float)high);
+    }
+    for (int i = lane; i < 16 * KC; i += 32) {
+      const int t = i / KC;
+      const int k = i - t * KC;
+      float pm = 0.0f;                   // tokens past the end: zero rows, never written out
+      if (t0 + t < n) {
+        const U32 word = my_signs[(long)(t0 + t) * W + ((k0 + k) >> 5)];
+        pm = ((word >> ((k0 + k) & 31)) & 1u) ? 1.0f : -1.0f;
+      }
+      a_s[(warp * 16 + t) * LD + k] = MMA_CAST(pm);
+    }
+    BARRIER();
+    for (int j = 0; j < NTILE; ++j) {
+      MMA_16X8X16(acc[j], a_s + warp * 16 * LD, LD, hi_s + j * 8 * LD, LD);
+      MMA_16X8X16(acc[j], a_s + warp * 16 * LD, LD, lo_s + j * 8 * LD, LD);
+    }
+  }
+  for (int j = 0; j < NTILE; ++j) {
+    BARRIER();
+    MMA_STORE(c_s + warp * 128, 8, acc[j]);
+    BARRIER();
+    for (int i = lane; i < 128; i += 32) {
+      const int t = i / 8;
+      if (t0 + t < n) proj[((long)bh * n + t0 + t) * D + j * 8 + (i % 8)] = c_s[warp * 128 + i];
+    }
+  }
+"""
+SKETCH_MMA_SOURCE = KernelSource(name="velox_sketch_projection_mma", input_names=("n_comp_r", "signs", "sk"),
+                                 output_names=("proj",), body=_SKETCH_MMA_BODY, matrix_ops=True)
+# Backends where sketched keys' history takes that projection (else the ±1 rows and MLX's matmul below): a GPU parity
+# run decides.
+SKETCH_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
+SKETCH_MMA_TOKENS = 64   # tokens per threadgroup: 16 per warp
+
+
+def sketch_projection_mma(signs: mx.array, sketch: mx.array, n_tokens: int, backend: str) -> mx.array:
+    """Σ_j sign_j·S[j, :] (float32 [B, n_kv, n_tokens, D]) of the first `n_tokens` tokens' packed signs
+    [B, n_kv, capacity, m/32] in one launch on the matrix units (`_SKETCH_MMA_BODY`)."""
+    batch, n_kv = signs.shape[:2]
+    rows, head_dim = (int(x) for x in sketch.shape)
+    (proj,) = kernel(SKETCH_MMA_SOURCE, backend)(
+        inputs=[RULER(n_tokens), signs, sketch],
+        template=[("D", head_dim), ("M", rows), ("NT", THREADS)],
+        grid=((n_tokens + SKETCH_MMA_TOKENS - 1) // SKETCH_MMA_TOKENS * THREADS, batch * n_kv, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(batch, n_kv, n_tokens, head_dim)],
+        output_dtypes=[mx.float32],
+    )
+    return proj
+
+
 # Whether sketched keys' history is rebuilt through `_SIGNS_BODY` and a matmul (True) or by `_BODY`'s own sums, and
 # how many tokens' ±1 rows one matmul takes.
 SKETCH_HISTORY_MATMUL = True
@@ -330,6 +415,8 @@ def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend
     a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once). In float32, or in float16
     where `dtype` (the history's) is 16-bit and the backend is in SKETCH_HALF_BACKENDS."""
     rows = int(sketch.shape[0])
+    if backend in SKETCH_MMA_BACKENDS and sketch.shape[1] % 8 == 0 and rows % 32 == 0:
+        return sketch_projection_mma(signs, sketch, n_tokens, backend)
     half = dtype != mx.float32 and backend in SKETCH_HALF_BACKENDS
     work = mx.float16 if half else mx.float32
     sketch_w = sketch.astype(work)
