@@ -156,7 +156,8 @@ _SKETCH_MMA_BODY = """
   MMA_SHARED MMA_T lo_s[D * LD];         // ... and what MMA_CAST left of them
   SHARED float c_s[NW * 16 * 8];         // one accumulator tile per warp on its way out
   const GLOBAL U32* my_signs = signs + ((long)bh * signs_shape[2]) * W;
-  MMA_ACC acc[NTILE];
+  MMA_ACC acc[NTILE];   // unrolled loops below keep them in registers (a runtime index would put them in memory)
+#pragma unroll
   for (int j = 0; j < NTILE; ++j) MMA_ZERO(acc[j]);
   for (int k0 = 0; k0 < M; k0 += KC) {
     BARRIER();   // the previous step's readers of the tiles are done
@@ -179,11 +180,13 @@ _SKETCH_MMA_BODY = """
       a_s[(warp * 16 + t) * LD + k] = MMA_CAST(pm);
     }
     BARRIER();
+#pragma unroll
     for (int j = 0; j < NTILE; ++j) {
       MMA_16X8X16(acc[j], a_s + warp * 16 * LD, LD, hi_s + j * 8 * LD, LD);
       MMA_16X8X16(acc[j], a_s + warp * 16 * LD, LD, lo_s + j * 8 * LD, LD);
     }
   }
+#pragma unroll
   for (int j = 0; j < NTILE; ++j) {
     BARRIER();
     MMA_STORE(c_s + warp * 128, 8, acc[j]);
