@@ -237,7 +237,7 @@ def sketch_encode_takes(backend: str | None, n_tokens: int, rows: int, head_dim:
 # 8 kv heads on the H200 (its matmul ~0.02 ms; prefill-layer-sketch-h200.json). Backends where it runs (elsewhere
 # `pack_bits`): CUDA passed the GPU parity test on the H200 (test_sign_pack_kernel_matches_mlx_packing, word for word;
 # kernel-parity-sign-pack-h200.log), where qjl:k4v4's 32k-token prefill ran at 5,682 tok/s with it against 5,407
-# without in one process (pipelined 6,139 against 6,027; fp16 7,289 / 8,079; prefill-sign-pack-h200.log). Metal runs
+# without in one process (pipelined 6,139 against 6,027; fp16 7,289 / 8,079; prefill-sign-pack-h200.json). Metal runs
 # the same body: enabled by construction.
 SIGN_PACK_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
