@@ -468,46 +468,35 @@ def test_sketch_projection_on_matrix_ops_equals_the_sign_rows_matmul(rows: int, 
 
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
-def test_sketch_history_takes_the_projection_on_matrix_ops(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the backend is in SKETCH_MMA_BACKENDS sketched keys' history takes the projection on matrix ops (one
-    launch, no ±1 rows), within 2^-10 of the ±1 rows' history; values unchanged."""
+@pytest.mark.parametrize("path", ["matrix ops", "float16 rows"])
+def test_sketch_history_faster_paths_match_the_float32_rows(spec: str, path: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sketched keys' history through a faster projection where its backend list admits it, within 2^-10 of the
+    float32 ±1 rows' history (values unchanged): on the matrix ops (SKETCH_MMA_BACKENDS: one launch, no rows) for both
+    methods; float16 rows (SKETCH_HALF_BACKENDS, the history decoded into the cache's 16-bit dtype) only for qjl, whose
+    keys are the projection scaled: turboquant_prod keeps float32 rows."""
     from engine.kvcache.kernels import dequantize
 
-    calls = []
-    real = dequantize.sketch_projection_mma
-    monkeypatch.setattr(dequantize, "sketch_projection_mma", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    seen = []
+    for name in ("sketch_projection_mma", "sign_rows"):
+        real = getattr(dequantize, name)
+        monkeypatch.setattr(dequantize, name, lambda *a, _name=name, _real=real, **k:
+                            seen.append(a[4] if _name == "sign_rows" else _name) or _real(*a, **k))
+    if path == "float16 rows":
+        monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())
     cache = _filled(spec, 301, 128, 2, seed=6)
     store = cache._compressed_view()
-    mma = cache._decoded_history(store, mx.float16)
-    assert calls == [cache.n_compressed]
+    fast = cache._decoded_history(store, mx.float16)
+    if path == "matrix ops":
+        assert seen == ["sketch_projection_mma"]
+    else:
+        assert seen == [mx.float16 if spec.startswith("qjl") else mx.float32]
     monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())
     monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", ())
     rows = cache._decoded_history(store, mx.float16)
-    assert calls == [cache.n_compressed]
-    error = mx.abs(mma[0].astype(mx.float32) - rows[0].astype(mx.float32)) / (mx.abs(rows[0].astype(mx.float32)) + 1e-2)
-    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(mma[1], rows[1])
-
-
-@pytest.mark.usefixtures("emulated")
-@pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
-def test_sketch_history_rows_in_float16_only_for_qjl_in_16_bits(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """qjl's history (decoded into the cache's 16-bit dtype) takes its ±1 rows in float16 where the backend is in
-    SKETCH_HALF_BACKENDS, within 2^-10 of the float32 rows' history (its keys are the projection scaled);
-    turboquant_prod's, and any history on a backend left out, keep float32 rows."""
-    from engine.kvcache.kernels import dequantize
-
-    monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())  # the ±1 rows' path (the projection on MMA has none)
-    dtypes = []
-    real = dequantize.sign_rows
-    monkeypatch.setattr(dequantize, "sign_rows", lambda *a, **k: dtypes.append(a[4]) or real(*a, **k))
-    cache = _filled(spec, 301, 128, 2, seed=4)
-    store = cache._compressed_view()
-    half = cache._decoded_history(store, mx.float16)
-    monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", ())
-    full = cache._decoded_history(store, mx.float16)
-    assert dtypes == [mx.float16 if spec.startswith("qjl") else mx.float32, mx.float32]
-    error = mx.abs(half[0].astype(mx.float32) - full[0].astype(mx.float32)) / (mx.abs(full[0].astype(mx.float32)) + 1e-2)
-    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(half[1], full[1])
+    assert seen[1:] == [mx.float32]
+    error = mx.abs(fast[0].astype(mx.float32) - rows[0].astype(mx.float32)) / (mx.abs(rows[0].astype(mx.float32)) + 1e-2)
+    assert float(mx.max(error)) <= 2**-10 and mx.array_equal(fast[1], rows[1])
 
 
 @pytest.mark.usefixtures("emulated")
