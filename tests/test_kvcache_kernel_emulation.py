@@ -466,6 +466,24 @@ def test_sketch_projection_on_matrix_ops_equals_the_sign_rows_matmul(rows: int, 
     assert float(mx.max(mx.abs(coarse - want) / (mx.abs(want) + rows**0.5))) > 100 * max(error, 1e-7)
 
 
+def test_sketch_projection_on_matrix_ops_declines_more_than_128_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 128 channels (16 accumulator tiles a warp; S's tiles in an Apple GPU's 32 KB) the projection takes the ±1
+    rows even where SKETCH_MMA_BACKENDS admits the backend, with the same result."""
+    from engine.kvcache.kernels import dequantize
+
+    rng = np.random.default_rng(2)
+    signs = mx.array(rng.integers(0, 2**32, size=(1, 1, 40, 32), dtype=np.uint64).astype(np.uint32))
+    calls = []
+    real = dequantize.sketch_projection_mma
+    monkeypatch.setattr(dequantize, "sketch_projection_mma", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    for head_dim in (128, 256):
+        sketch = mx.array(rng.standard_normal((1024, head_dim)).astype(np.float16))
+        got = dequantize._sketch_projection(signs, sketch, 40, EMULATE)
+        want = dequantize.sign_rows(signs, 40, 1024, EMULATE) @ sketch.astype(mx.float32)
+        assert float(mx.max(mx.abs(got - want) / (mx.abs(want) + 32.0))) <= 1e-6
+    assert calls == [(1024, 128)]
+
+
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec", ["qjl:k4v4:g64", "turboquant_prod:k4v4:g64"])
 @pytest.mark.parametrize("path", ["matrix ops", "float16 rows"])

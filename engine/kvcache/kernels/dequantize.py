@@ -11,7 +11,8 @@ codec macros (`decode._CODEC_MACROS`: the same unpacking and arithmetic as the d
 keys and values once: in the same run turboquant:4 then prefilled at 0.94x and rvq:4 at 0.91x
 (benchmarks/results/prefill-dequantize-ab-h200.json). KIVI, whose keys are stored per channel over blocks of tokens,
 has a body of its own (`_KIVI_BODY`: block outliers, keys before RoPE), and sketched keys' Σ sign·S is one matmul over
-±1 rows that `_SIGNS_BODY` writes (both below).
+±1 rows that `_SIGNS_BODY` writes or, where SKETCH_MMA_BACKENDS admits it, one launch on the GPU's matrix units
+(`_SKETCH_MMA_BODY`; all below).
 
 The compressed arrays are the cache's whole buffers (capacity >= n tokens; only the first n are read, and passing
 the buffers rather than views avoids the copy MLX makes of a non-contiguous input); n travels as a ruler's length
@@ -203,6 +204,13 @@ SKETCH_MMA_SOURCE = KernelSource(name="velox_sketch_projection_mma", input_names
 # run decides.
 SKETCH_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
 SKETCH_MMA_TOKENS = 64   # tokens per threadgroup: 16 per warp
+
+
+def sketch_mma_fits(head_dim: int, rows: int) -> bool:
+    """Whether `_SKETCH_MMA_BODY` takes this shape: whole 8-channel tiles and 32-row words, and at most 128 channels
+    (16 accumulator tiles a warp: 64 of a CUDA thread's registers; S's two transposed tiles 20 KB of an Apple GPU's 32
+    KB of threadgroup memory, as floats there)."""
+    return head_dim % 8 == 0 and head_dim <= 128 and rows % 32 == 0
 
 
 def sketch_projection_mma(signs: mx.array, sketch: mx.array, n_tokens: int, backend: str) -> mx.array:
@@ -416,9 +424,10 @@ def _sketch_projection(signs: mx.array, sketch: mx.array, n_tokens: int, backend
     """Σ_j sign_j·S[j, :] ([B, n_kv, n_tokens, D]) for the first `n_tokens` tokens' packed signs
     [B, n_kv, capacity, m/32], SKETCH_HISTORY_BLOCK tokens at a time (the ±1 rows of a block are m entries a token:
     a 32k-token history of 8 kv heads at m = 512 would be a transient 0.5 GB at once). In float32, or in float16
-    where `dtype` (the history's) is 16-bit and the backend is in SKETCH_HALF_BACKENDS."""
+    where `dtype` (the history's) is 16-bit and the backend is in SKETCH_HALF_BACKENDS; on the matrix units with no
+    rows at all where the backend is in SKETCH_MMA_BACKENDS (float32)."""
     rows = int(sketch.shape[0])
-    if backend in SKETCH_MMA_BACKENDS and sketch.shape[1] % 8 == 0 and rows % 32 == 0:
+    if backend in SKETCH_MMA_BACKENDS and sketch_mma_fits(int(sketch.shape[1]), rows):
         return sketch_projection_mma(signs, sketch, n_tokens, backend)
     half = dtype != mx.float32 and backend in SKETCH_HALF_BACKENDS
     work = mx.float16 if half else mx.float32

@@ -23,7 +23,8 @@ Sketched keys take a sketch variant (`sketch=True`): turboquant_prod's after the
 r = u - c[code] (its norm ‖r‖ stored too), qjl's with no codebook stage, the key itself, go to shared memory; each
 lane computes every 32nd row of S r for the m×D sketch S (float16, read from device memory; m = D, or key_bits·D
 for qjl), and the warp packs their signs (1 = non-negative). Where the backend is not in SKETCH_ENCODE_BACKENDS (a GPU
-parity run decides), those keys encode through MLX operations.
+parity run decides), those keys encode through MLX operations. qjl's long chunks take S·k from one MLX matmul and
+pack its signs in a launch of their own (`sketch_signs_packed`).
 
 PolarQuant has a kernel of its own (`polar_encode`, the same warp layout and packing): the warp walks the polar
 tree of the unit vector a level at a time in shared memory (see `_POLAR_BODY`); its angles come from ATAN2, so,
