@@ -26,7 +26,12 @@ from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
 from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
-from engine.kvcache.kernels.dequantize import SIGNS_SOURCE, SKETCH_MMA_SOURCE, dequantize_source
+from engine.kvcache.kernels.dequantize import (
+    KIVI_TILE_TOKENS,
+    SIGNS_SOURCE,
+    SKETCH_MMA_SOURCE,
+    dequantize_source,
+)
 from engine.kvcache.kernels.encode import SIGN_PACK_SOURCE, encode_source, sketch_signs_packed
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
 from tests.kvcache_helpers import (
@@ -209,7 +214,8 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         units.append(_cuda_unit(dequantize_source(key, value), dtypes | _WIDTH_DTYPES,
                                 {"keys": mx.bfloat16, "values": mx.bfloat16},
                                 {"D": 128, "G": 64, "NT": 128, "TD": mx.bfloat16, "GK": 128, "KB": 5 if classes else 3,
-                                 "ROPE": 1, "TRAD": 0, "KO": 1, "KCLS": classes, "KBLO": 2 if classes else 3}))
+                                 "ROPE": 1, "TRAD": 0, "KO": 1, "KCLS": classes, "KBLO": 2 if classes else 3,
+                                 "TT": KIVI_TILE_TOKENS}))
     for key, value in pairs:
         if key.kind != "kivi_keys":
             dtypes = {name: dtype for name, dtype in _attend_dtypes(key, value).items() if name[0] in "kv" and name[1:].isdigit()}
@@ -228,6 +234,12 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                 {"D": 128, "GK": 128, "NCL": classes, "ORD": int(classes > 1), "KQ": 0,
                                  "VQ": 2 if symmetric else 0, "G": 64, "VB": 3, "NT": 128, "TD": mx.bfloat16,
                                  "TDK": 1, "TR": mx.float16}))
+    # sketched keys: the ±1 rows in float16, their projection on the warp matrix ops, a long chunk's sign packing
+    units.append(_cuda_unit(SIGNS_SOURCE, {"n_comp_r": mx.uint8, "signs": mx.uint32}, {"pm": mx.float16},
+                            {"W": 16, "NT": 128, "TD": mx.float16}))
+    units.append(_cuda_unit(SKETCH_MMA_SOURCE, {"n_comp_r": mx.uint8, "signs": mx.uint32, "sk": mx.float16},
+                            {"proj": mx.float32}, {"D": 128, "M": 512, "NT": 128}))
+    units.append(_cuda_unit(SIGN_PACK_SOURCE, {"proj": mx.float32}, {"packed": mx.uint32}, {"W": 16, "NT": 128}))
     units.append(_cuda_unit(MERGE_SOURCE, dict.fromkeys(("part_m", "part_l", "part_o", "signs", "oscale"), mx.float32),
                             {"out": mx.bfloat16}, {"D": 128, "R": 4, "NM": 128, "MAXS": 256, "ROT": 1,
                                                    "TO": mx.bfloat16}))
