@@ -203,7 +203,7 @@ SKETCH_MMA_SOURCE = KernelSource(name="velox_sketch_projection_mma", input_names
 # Backends where sketched keys' history takes that projection (else the ±1 rows and MLX's matmul below): a GPU parity
 # run decides.
 SKETCH_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
-SKETCH_MMA_TOKENS = 64   # tokens per threadgroup: 16 per warp
+SKETCH_MMA_TOKENS = THREADS // 32 * 16   # tokens per threadgroup: 16 per warp (the body's NW * 16)
 
 
 def sketch_mma_fits(head_dim: int, rows: int) -> bool:

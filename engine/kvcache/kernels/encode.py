@@ -34,10 +34,12 @@ as with the boundaries above, an angle within float rounding of a cell's edge ca
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
 from engine.kvcache.kernels.backend import KernelSource, kernel
+from engine.kvcache.quant.sketch import sketch_projection
 
 THREADS = 128  # 4 vectors, one warp each, per threadgroup
 
@@ -259,13 +261,11 @@ SIGN_PACK_SOURCE = KernelSource(name="velox_sign_pack", input_names=("proj",), o
 def sketch_signs_packed(vectors: mx.array, sketch: mx.array, backend: str) -> mx.array:
     """sign(S x) of [..., n, D] vectors packed as quant/sketch.py's `sketch_signs` packs them (uint32 [..., n, m/32],
     1 = non-negative): the same float32 matmul, the packing in one launch (`_SIGN_PACK_BODY`)."""
-    projected = vectors.astype(mx.float32) @ sketch.astype(mx.float32).T
+    projected = sketch_projection(vectors, sketch)
     *lead, m = projected.shape
     if m % 32:
         raise ValueError(f"Sign packing takes a multiple of 32 sketch rows, not {m}.")
-    rows = 1
-    for size in lead:
-        rows *= size
+    rows = math.prod(lead)
     words = rows * (m // 32)
     (packed,) = kernel(SIGN_PACK_SOURCE, backend)(
         inputs=[projected.reshape(rows, m)],

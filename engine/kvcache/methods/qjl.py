@@ -112,9 +112,9 @@ class VeloxQJLKVCache(SketchMixin, SegmentedKVCache):
             }
         keys = keys.astype(mx.float32)
         # A long chunk on a GPU: MLX's matmul for S·k, the signs packed in one launch (kernels.encode)
-        packs = backend in _kernels.encode.SIGN_PACK_BACKENDS and keys.ndim == 4
         return {
-            "key_codes": (_kernels.encode.sketch_signs_packed(keys, self._sketch, backend) if packs
+            "key_codes": (_kernels.encode.sketch_signs_packed(keys, self._sketch, backend)
+                          if backend in _kernels.encode.SIGN_PACK_BACKENDS
                           else sketch_signs(keys, self._sketch)),
             "key_norms": mx.linalg.norm(keys, axis=-1, keepdims=True).astype(self._dense_dtype),
             **affine_quantize(values, "value", self.config.group_size, self.config.value_bits),

@@ -44,9 +44,15 @@ def gaussian_sketch(m: int, d: int, seed: int) -> mx.array:
     return mx.array(np.concatenate(blocks)[:m].astype(np.float16))
 
 
+def sketch_projection(x: mx.array, sketch: mx.array) -> mx.array:
+    """S x of float vectors [..., d] in float32: [..., m] (whose signs `sketch_signs` packs, and kernels.encode's
+    `sketch_signs_packed` too, from the same product)."""
+    return x.astype(mx.float32) @ sketch.astype(mx.float32).T
+
+
 def sketch_signs(x: mx.array, sketch: mx.array) -> mx.array:
     """sign(S x) of float vectors [..., d] as packed bits (1 = non-negative): uint32 [..., m/32]."""
-    return pack_bits((x.astype(mx.float32) @ sketch.astype(mx.float32).T >= 0).astype(mx.uint8), 1)
+    return pack_bits((sketch_projection(x, sketch) >= 0).astype(mx.uint8), 1)
 
 
 def signs_as_pm_one(packed: mx.array, m: int) -> mx.array:
