@@ -760,6 +760,21 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
             assert close(next(quoted), row["pipelined_prefill_tok_s"] / fp16), (size, key)
     checked.append(chunk[0])
 
+    sketch = re.search(r"qjl, whose keys are a sketch's sign\s+bits, now rebuilds the history a prefill chunk attends over "
+                       r"on the GPU's matrix units: qjl:k4v4:g64 then prefilled at\s+(\d\.\d\d)× of the 16-bit cache's "
+                       r"speed, (\d\.\d\d)× through float32 sign rows in the same run\s+"
+                       r"\(`benchmarks/results/prefill-sketch-mma-h200.json`; BENCHMARKS.md, \*round 22\*\)\.", section,
+                       re.S)
+    assert sketch, "README no longer quotes qjl's prefill with its history on the matrix units"
+    from engine.kvcache.kernels.dequantize import SKETCH_MMA_BACKENDS
+
+    assert "cuda" in SKETCH_MMA_BACKENDS
+    run, run_fp16 = _prefill_run("prefill-sketch-mma-h200.json")
+    by_path = {tuple(r.get("kernel_constants", {})): r for r in run if r["spec"] == "qjl:k4v4:g64"}
+    assert close(sketch[1], by_path["SKETCH_MMA_BACKENDS",]["prefill_tok_s"] / run_fp16)
+    assert close(sketch[2], by_path[()]["prefill_tok_s"] / run_fp16)
+    checked.append(sketch[0])
+
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
                        r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
                        r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "

@@ -537,7 +537,8 @@ def _bf16_history_pairs(cache) -> list[tuple[mx.array, mx.array]]:
 @needs_gpu
 @pytest.mark.parametrize("spec", [*(s for s in PARITY_SPECS if s[0] in ("affine", "rotated", "turboquant", "rvq")),
                                   ("polarquant", 4, 64, 0, 0), ("polarquant", 2, 64, 5, 2),
-                                  ("turboquant_prod", 4, 64, 0, 0), ("qjl", 4, 64, 5, 2)],
+                                  ("turboquant_prod", 4, 64, 0, 0), ("qjl", 4, 64, 5, 2),
+                                  ("turboquant_prod", 4, 64, 0, 0, "rows"), ("qjl", 4, 64, 5, 2, "rows")],
                          ids=lambda s: "-".join(map(str, s)))
 def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The history a prefill chunk attends over, decoded in one launch, against the reference decode on the same
@@ -545,8 +546,9 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
     sines and cosines within one bf16 unit (MLX's dequantize rounds in 16 bits on the way; the kernel takes the
     fast sine and cosine). The parity run behind CUDA's and Metal's place in dequantize.BACKENDS (the caches decode
     their history with the kernel as shipped) and, for PolarQuant, in decode.POLAR_BACKENDS, for sketched keys in
-    dequantize.SKETCH_HISTORY_BACKENDS (let in for the test; the estimator's Sᵀ·sign summed in another order), and for
-    qjl's ±1 rows in float16 in dequantize.SKETCH_HALF_BACKENDS (let in too)."""
+    dequantize.SKETCH_HISTORY_BACKENDS (let in for the test; the estimator's Sᵀ·sign summed in another order): their
+    projection on the matrix units where dequantize.SKETCH_MMA_BACKENDS admits the GPU, and ("rows") through the ±1
+    rows a shape the matrix units decline takes, qjl's in float16 (dequantize.SKETCH_HALF_BACKENDS, let in too)."""
     from engine.kvcache.kernels import decode, dequantize
 
     monkeypatch.setattr(decode, "POLAR_BACKENDS", (*decode.POLAR_BACKENDS, available_backend()))
@@ -554,6 +556,8 @@ def test_history_decode_kernel_matches_reference(spec: tuple, monkeypatch: pytes
                         (*dequantize.SKETCH_HISTORY_BACKENDS, available_backend()))
     monkeypatch.setattr(dequantize, "SKETCH_HALF_BACKENDS", (*dequantize.SKETCH_HALF_BACKENDS, available_backend()))
     method, bits, group, window, sinks, *extra = spec
+    if "rows" in extra:
+        monkeypatch.setattr(dequantize, "SKETCH_MMA_BACKENDS", ())
     for tokens in (70, 4097):
         cache = _filled(method, bits, group, window, sinks, tokens, "auto", 128, 2, mx.bfloat16, seed=tokens)
         for out, ref in _bf16_history_pairs(cache):

@@ -200,9 +200,11 @@ _SKETCH_MMA_BODY = """
 """
 SKETCH_MMA_SOURCE = KernelSource(name="velox_sketch_projection_mma", input_names=("n_comp_r", "signs", "sk"),
                                  output_names=("proj",), body=_SKETCH_MMA_BODY, matrix_ops=True)
-# Backends where sketched keys' history takes that projection (else the ±1 rows and MLX's matmul below): a GPU parity
-# run decides.
-SKETCH_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
+# Backends where sketched keys' history takes that projection (else the ±1 rows and MLX's matmul below). CUDA: its
+# parity run passed on the H200 (kernel-parity-sketch-mma-h200.log), and qjl:k4v4's 32k prefill went from 5,180 to
+# 6,286 tok/s, 0.71x to 0.87x of fp16's 7,250 in the same process (prefill-sketch-mma-h200.json). Metal's matrix ops
+# (simdgroup 8x8) have not run on a Mac yet, so Metal takes the float16 rows below.
+SKETCH_MMA_BACKENDS: tuple[str, ...] = ("emulate", "cuda")
 SKETCH_MMA_TOKENS = THREADS // 32 * 16   # tokens per threadgroup: 16 per warp (the body's NW * 16)
 
 
@@ -238,9 +240,11 @@ SKETCH_HISTORY_BLOCK = 4096
 # 2^-11 of it: the key is that sum scaled, so within its 16-bit history's own rounding; turboquant_prod keeps float32,
 # see dequantize_history): half the rows' bytes, and on the H200 MLX's float16 matmul
 # took 0.14 ms against float32's 0.27 at 14,336 tokens, the ±1 rows 0.21 ms a 4,096-token block in float32
-# (history-profile-r5-h200.json). A GPU parity run decides. (A history is decoded into the cache's 16-bit dtype, so
-# the float32 rows remain only for turboquant_prod and a backend left out.)
-SKETCH_HALF_BACKENDS: tuple[str, ...] = ("emulate",)
+# (history-profile-r5-h200.json). Parity passed on the H200, and qjl:k4v4's 32k prefill took 6,187 tok/s against the
+# float32 rows' 5,180 (prefill-sketch-mma-h200.json): where the matrix units decline a shape or are not admitted
+# (Metal), qjl takes these. (A history is decoded into the cache's 16-bit dtype, so the float32 rows remain only for
+# turboquant_prod where the matrix units decline.)
+SKETCH_HALF_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 # KIVI's keys are stored per channel over blocks of tokens (codes [B,H,D,cap·KB/32], scales and biases [B,H,D,cap/GK]),
 # so a token's channels are D rows apart: `_BODY`'s codec macros read a token's 8 consecutive channels of a row
