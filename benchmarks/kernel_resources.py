@@ -160,6 +160,8 @@ PAIRS = (
     ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
     ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
+    ("qjl 4", Codec("qjl", 4), Codec("affine", 4), 64, None),
+    ("turboquant_prod 4", Codec("prod", 3), Codec("codebook", 4), 64, None),
 )
 
 
@@ -177,15 +179,15 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
                 ("KCLS", len(key.widths)), ("KBLO", key.widths[0] if key.widths else key.bits),
                 ("KUNI", int(uniform)), ("KMEAN", key.bits),
                 ("TD", "bfloat16")]
-    types = {"qry": "bfloat16", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
+    types = {"qry": "bfloat16", "qry2": "float32", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
              "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",
              "rfreq": "float32", "kout": "float16", "kidx": "uint8", "kends": "int32", "kord": "uint8", "kinv": "uint8",
              **{f"w{c}{part}": kind for c in range(1, 4)
                 for part, kind in (("c", "uint32"), ("s", "bfloat16"), ("b", "bfloat16"), ("o", "float16"), ("i", "uint8"))}}
     for prefix, codec in (("k", key), ("v", value)):
         for slot in range(codec.slots):
-            codes = slot == 0 or (codec.kind == "rvq" and slot == 3)
-            small = codec.kind in ("codebook", "rvq") and slot in (2, 5)
+            codes = slot == 0 or (codec.kind == "rvq" and slot == 3) or (codec.kind == "prod" and slot == 4)
+            small = codec.kind in ("codebook", "rvq", "prod") and slot in (2, 5)
             types[f"{prefix}{slot}"] = "uint32" if codes else ("float32" if small else "bfloat16")
     return wrap(source, types, {}, template)
 

@@ -305,9 +305,16 @@ _ATTEND_BODY = """
   const float scale = qscale[0];
   for (int i = TID; i < R * D; i += NT) sh_q[i] = scale * (float)qry[(long)bh * R * D + i];
 #if KEY_SKETCH
-  // The sketched query rows (SK·D coordinates each), scaled alike.
+  // The sketched query rows (SK·D coordinates each), scaled alike, laid out [a lane's coordinate k < SK·8][lane][row]:
+  // a token's lanes read adjacent words and a coordinate's R rows are adjacent (one 16-byte read at R = 4). Laid out
+  // row by row, a token's lanes were SK·8 words apart and met in the same memory banks on every read (qjl at 4
+  // bits: 16 lanes 128 bytes apart, its 32 16-byte reads a token 8-way conflicts).
   SHARED float sh_q2[R * SK * D];
-  for (int i = TID; i < R * SK * D; i += NT) sh_q2[i] = scale * (float)qry2[(long)bh * R * SK * D + i];
+  for (int i = TID; i < R * SK * D; i += NT) {
+    const int r2 = i / (SK * D);
+    const int c2 = i % (SK * D);
+    sh_q2[((c2 % (SK * 8)) * TPT + c2 / (SK * 8)) * R + r2] = scale * (float)qry2[(long)bh * R * SK * D + i];
+  }
 #endif
   float m_run[R];
   float l_run[R];
@@ -373,6 +380,29 @@ _ATTEND_BODY = """
         for (int i = 0; i < 8; ++i) { kx[u][i] = 0.0f; vx[u][i] = 0.0f; }
       }
     }
+#if KEY_SKETCH
+    // The sketch products of the U tokens and R rows: each query coordinate read once for all U tokens, summed in
+    // the same order as a row alone would.
+    float sk2[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) sk2[u][r] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < SK; ++j) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int at = ((j * 8 + i) * TPT + lane) * R;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float q2 = sh_q2[at + r];
+#pragma unroll
+          for (int u = 0; u < U; ++u) sk2[u][r] += ((ksg[u][j] >> i) & 1u) ? q2 : -q2;
+        }
+      }
+    }
+#endif
     // Scores of the U tokens first, then one rescale of the running output per row for all of them (not
     // one per token) and one exp per token and row.
 #pragma unroll
@@ -385,14 +415,7 @@ _ATTEND_BODY = """
         float part = 0.0f;
         for (int i = 0; i < 8; ++i) part += sh_q[qoff + r * D + lane * 8 + i] * kx[u][i];
 #if KEY_SKETCH
-        float sketch = 0.0f;
-        for (int j = 0; j < SK; ++j) {
-          for (int i = 0; i < 8; ++i) {
-            const float q2 = sh_q2[(r * TPT + lane) * SK * 8 + j * 8 + i];
-            sketch += ((ksg[u][j] >> i) & 1u) ? q2 : -q2;
-          }
-        }
-        part += kmul2[u] * sketch;
+        part += kmul2[u] * sk2[u][r];
 #endif
         for (int step = TPT / 2; step > 0; step >>= 1) part += LANE_XOR(part, step);
         s[u] = valid[u] ? (part + qb) * kmul[u] : -1e30f;
