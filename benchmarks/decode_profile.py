@@ -12,7 +12,7 @@ pipelined, as in a model step; ms for the 32 layers):
     attention  mlx-lm's `scaled_dot_product_attention` over the cache (what a model layer calls)
     both       update then attention, per layer
     kernel     Velox caches with a decode kernel: the attention and merge launches alone
-               (`decode_attention` with the cache's plan: no query or output transforms)
+               (`decode_attention` with the cache's plan: no query or output transforms; sketched keys' S·q included)
 
 `--sweep` also times `kernel` for the kernel's launch constants (the tiled or per-subgroup pass for KIVI, tokens in
 flight per subgroup, threads per threadgroup, target threadgroups, minimum tokens per split), to choose them from
@@ -94,7 +94,8 @@ def profile(spec: str, context: int, shape: dict[str, Any], repeats: int, sweep:
                     plan, q, c._n_kv_heads, scale,
                     (c._sink_keys, c._sink_values) if c.n_sink else None,
                     (c._window_keys, c._window_values) if c.n_window else None,
-                    c._n_compressed, c.n_duplicated))
+                    c._n_compressed, c.n_duplicated,
+                    sketched=c._sketched_queries(q) if plan.sketch else None))  # sketched keys' second query
             return outs
 
         row["kernel"] = median_ms(kernel, repeats, warmup=2)
