@@ -315,6 +315,12 @@ _ATTEND_BODY = """
     const int c2 = i % (SK * D);
     sh_q2[((c2 % (SK * 8)) * TPT + c2 / (SK * 8)) * R + r2] = scale * (float)qry2[(long)bh * R * SK * D + i];
   }
+  BARRIER();
+  float q2_sum[R];
+  for (int r = 0; r < R; ++r) {
+    q2_sum[r] = 0.0f;
+    for (int k = 0; k < SK * 8; ++k) q2_sum[r] += sh_q2[(k * TPT + lane) * R + r];
+  }
 #endif
   float m_run[R];
   float l_run[R];
@@ -381,8 +387,9 @@ _ATTEND_BODY = """
       }
     }
 #if KEY_SKETCH
-    // The sketch products of the U tokens and R rows: each query coordinate read once for all U tokens, summed in
-    // the same order as a row alone would.
+    // The sketch products of the U tokens and R rows, each query coordinate read once for all U tokens: Σ ±q2 as
+    // 2·Σ_{sign bit set} q2 - Σ q2 (q2_sum, the lane's per row), one predicated add a bit and row instead of a
+    // select and an add.
     float sk2[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -394,13 +401,22 @@ _ATTEND_BODY = """
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int at = ((j * 8 + i) * TPT + lane) * R;
+        float q2[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float q2 = sh_q2[at + r];
+        for (int r = 0; r < R; ++r) q2[r] = sh_q2[at + r];
 #pragma unroll
-          for (int u = 0; u < U; ++u) sk2[u][r] += ((ksg[u][j] >> i) & 1u) ? q2 : -q2;
+        for (int u = 0; u < U; ++u) {
+          if ((ksg[u][j] >> i) & 1u) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) sk2[u][r] += q2[r];
+          }
         }
       }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) sk2[u][r] = 2.0f * sk2[u][r] - q2_sum[r];
     }
 #endif
     // Scores of the U tokens first, then one rescale of the running output per row for all of them (not
