@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,7 +81,7 @@ def compile_resources(unit: str, arch: str, sass: list[str] | None = None) -> di
         )
         if sass is not None and not result.returncode:
             dump = subprocess.run([cuobjdump(), "-sass", str(Path(tmp) / "kernel.cubin")], capture_output=True,
-                                  text=True, check=True)
+                                  text=True, check=True, env=_with_nvdisasm())
             sass.extend(dump.stdout.splitlines())
     log = result.stdout + result.stderr
     if result.returncode:
@@ -94,19 +95,36 @@ def compile_resources(unit: str, arch: str, sass: list[str] | None = None) -> di
     return figures
 
 
-def cuobjdump() -> str:
-    """cuobjdump on PATH, else the one of the `nvidia-cuda-cuobjdump` wheel in this Python."""
-    found = shutil.which("cuobjdump")
+_NEEDS_CUOBJDUMP = ("--instructions needs cuobjdump and nvdisasm: a CUDA toolkit's, or `pip install "
+                    "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`.")
+
+
+def _wheel_tool(name: str) -> str | None:
+    """`name` on PATH, else the one an `nvidia-cuda-<name>` wheel installed in this Python (nvidia/cu*/bin)."""
+    found = shutil.which(name)
     if found:
         return found
     try:
-        import nvidia  # the wheel installs nvidia/cu*/bin/cuobjdump
+        import nvidia
     except ImportError:
-        sys.exit("--instructions needs cuobjdump: a CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`.")
+        return None
     for root in map(Path, nvidia.__path__):
-        for candidate in sorted(root.glob("cu*/bin/cuobjdump")):
+        for candidate in sorted(root.glob(f"cu*/bin/{name}")):
             return str(candidate)
-    sys.exit("--instructions needs cuobjdump: a CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`.")
+    return None
+
+
+def cuobjdump() -> str:
+    """cuobjdump on PATH, else the one of the `nvidia-cuda-cuobjdump` wheel in this Python."""
+    return _wheel_tool("cuobjdump") or sys.exit(_NEEDS_CUOBJDUMP)
+
+
+def _with_nvdisasm() -> dict[str, str]:
+    """The environment with NVDISASM_PATH set where nvdisasm is a wheel's (cuobjdump -sass runs it)."""
+    import os
+
+    found = _wheel_tool("nvdisasm") or sys.exit(_NEEDS_CUOBJDUMP)
+    return {**os.environ, "NVDISASM_PATH": str(Path(found).parent)}
 
 
 _SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -133,6 +151,27 @@ def tile_loop_counts(sass: list[str]) -> dict[str, int]:
         if lo <= at < hi and b and lo <= int(b.group(1), 16) < at:
             counts["phase 1 loop body"] = sum(1 for a, _ in code if int(b.group(1), 16) <= a <= at)
             break
+    return counts
+
+
+# Instruction kinds token_loop_counts reports (SASS opcodes up to their first dot, e.g. LDS for LDS.128).
+_MIX = ("LDS", "LDG", "FFMA", "FADD", "FMUL", "FSEL", "SHFL", "MUFU")
+
+
+def token_loop_counts(sass: list[str]) -> dict[str, Any]:
+    """The per-subgroup pass's token loop (its longest backward branch: one iteration takes U tokens a subgroup):
+    its instruction count and the number of each kind in _MIX, 16-byte shared reads (LDS.128) apart."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass) if m]
+    best: list[str] = []
+    for at, text in code:
+        b = _BRANCH.search(text)
+        if b and int(b.group(1), 16) < at:
+            body = [t for a, t in code if int(b.group(1), 16) <= a <= at]
+            best = body if len(body) > len(best) else best
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in best]
+    counts: dict[str, Any] = {"instructions": len(best)}
+    counts.update({kind: sum(1 for op in ops if op.split(".")[0] == kind) for kind in _MIX})
+    counts["LDS.128"] = sum(1 for op in ops if op == "LDS.128")
     return counts
 
 
@@ -199,7 +238,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="query heads per kv head (GQA)")
     parser.add_argument("--show", help="print the translation unit of the pair whose label starts with this")
     parser.add_argument("--instructions", action="store_true",
-                        help="also count the tiled pass's SASS instructions per phase (needs cuobjdump)")
+                        help="also count SASS instructions: the tiled pass's per phase, the per-subgroup pass's token "
+                             "loop (needs cuobjdump and nvdisasm)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if shutil.which("nvcc") is None:
@@ -214,10 +254,12 @@ def main() -> None:
     for label, unit in units:
         if args.show and label.startswith(args.show):
             print(unit)
-        sass: list[str] | None = [] if args.instructions and "tiled" in unit.split("__global__ void ")[1][:40] else None
+        sass: list[str] | None = [] if args.instructions and label != "merge" else None
         figures = compile_resources(unit, args.arch, sass)
-        if sass:
+        if sass and "tiled" in unit.split("__global__ void ")[1][:40]:
             figures["tile loop"] = tile_loop_counts(sass)
+        elif sass:
+            figures["token loop"] = token_loop_counts(sass)
         print(f"{label:28s} {figures}")
         rows.append({"kernel": label, **figures})
     if args.out:
