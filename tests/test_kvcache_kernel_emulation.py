@@ -191,6 +191,26 @@ def test_kivi_tiled_and_per_subgroup_passes_both_match_reference(spec: str, monk
             assert not tiled or ("PF", int(prefetch)) in plan.template
 
 
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "qjl:k4v4:g64:w3:s1"])
+def test_plan_constants_compiled_into_the_source_give_the_same_attention(spec: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode.PLAN_CONSTANTS_IN_SOURCE: a plan's constant launch arguments become `constexpr int` lines of its kernel's
+    source and a call passes only the four that vary; the tiled and the per-subgroup pass give the same output,
+    exactly, as with the arguments passed per call."""
+    from engine.kvcache.kernels import decode
+
+    outputs = []
+    for in_source in (False, True):
+        monkeypatch.setattr(decode, "PLAN_CONSTANTS_IN_SOURCE", in_source)
+        cache = _filled(spec, 1200, 128, 4, seed=5)
+        plan, queries, *_ = _attend_both(cache, 1200, 4)
+        assert (plan.template == ()) == in_source
+        assert ("constexpr int D = 128;" in plan.attend.source.defines) == in_source  # type: ignore[attr-defined]
+        outputs.append(cache.attention(queries, None, None, scale=0.088, mask=None))
+    assert mx.array_equal(outputs[0], outputs[1])
+
+
 ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_traditional={}"
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -66,6 +66,12 @@ MAX_SPLITS = 256
 MAX_WIDTH_CLASSES = 4
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
+# Whether a plan's constant launch arguments (D, R, NT, G, ..., ~20 for the tiled pass) are compiled into its attention
+# kernel's source, one kernel object per plan, so that a step's call passes only the 4 that vary (CS, NS, HW, TD).
+# MLX's CUDA front end formats every template argument into the kernel's source text on every call, and a decode
+# step's host build spends ~36-41 µs a layer in the two kernel calls (host-profile-h200.json). Off until a GPU timing
+# shows it pays (the same kernels either way: the arguments become the same `constexpr int` lines).
+PLAN_CONSTANTS_IN_SOURCE = False
 
 # How 8 consecutive channels [lane*8, lane*8 + 8) of compressed token `c` are read into float `out[8]`,
 # with `mul` the per-token factor (a norm) that multiplies the score or the softmax weight. `P` is the
@@ -1702,6 +1708,9 @@ def plan_decode(
         source = attend_source(key_codec, value_codec)
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
+    if PLAN_CONSTANTS_IN_SOURCE:
+        constants = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in template)
+        source, template = replace(source, defines=constants + source.defines), ()
     return DecodePlan(
         attend=kernel(source, backend),
         merge=kernel(MERGE_SOURCE, backend),
