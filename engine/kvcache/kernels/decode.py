@@ -134,16 +134,22 @@ _CODEC_MACROS = {
 """,
     # TurboQuant: codes [B,H,cap,D·bits/32] of a rotated unit vector, norms [B,H,cap,1], centroids [>=8].
     "codebook": """
+#define {P}T1 {P}2
+#define {P}T1_N (1 << {BITS})
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
   U32 c_[8]; \\
   unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]]; \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}T1[c_[i_]]; \\
   mul = (float){P}1[row_]; }}
 """,
     # RVQ: first-stage codes, norms, first table, residual codes, residual scales [B,H,cap,1], second table:
     # x = norm · (c1[code1] + s · c2[code2]).
     "rvq": """
+#define {P}T1 {P}2
+#define {P}T1_N (1 << {BITS})
+#define {P}T2 {P}5
+#define {P}T2_N (1 << {BITS2})
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
   U32 c_[8]; \\
@@ -151,7 +157,7 @@ _CODEC_MACROS = {
   unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
   unpack8u({P}3 + row_ * {P}3_shape[3], lane * 8, {BITS2}, r_); \\
   const float rs_ = (float){P}4[row_]; \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]] + rs_ * {P}5[r_[i_]]; \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}T1[c_[i_]] + rs_ * {P}T2[r_[i_]]; \\
   mul = (float){P}1[row_]; }}
 """,
     # Keys with a 1-bit sign sketch (QJL's estimator): the score adds a second product, of the sketched query
@@ -165,11 +171,13 @@ _CODEC_MACROS = {
 #define KEY_SKETCH 1
 #define SK 1
 #define KEY_SIGN_WORD(c, w) {P}4[((long)bh * {P}4_shape[2] + (c)) * {P}4_shape[3] + (w)]
+#define {P}T1 {P}2
+#define {P}T1_N (1 << {BITS})
 #define LOAD_{ROLE}(c, out, mul) {{ \\
   const long row_ = (long)bh * {P}0_shape[2] + (c); \\
   U32 c_[8]; \\
   unpack8u({P}0 + row_ * {P}0_shape[3], lane * 8, {BITS}, c_); \\
-  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}2[c_[i_]]; \\
+  for (int i_ = 0; i_ < 8; ++i_) out[i_] = {P}T1[c_[i_]]; \\
   ksg[u][0] = ({P}4[row_ * {P}4_shape[3] + (lane * 8) / 32] >> ((lane * 8) % 32)) & 255u; \\
   kmul2[u] = (float){P}3[row_]; \\
   mul = (float){P}1[row_]; }}
@@ -310,6 +318,34 @@ _ATTEND_BODY = """
   SHARED U32 sh_kc[KC_WORDS];
   const float scale = qscale[0];
   for (int i = TID; i < R * D; i += NT) sh_q[i] = scale * (float)qry[(long)bh * R * D + i];
+  // The codebook codecs' centroid tables (kT1, kT2, vT1, vT2: 2^bits floats each) in threadgroup memory, where
+  // every lane looks up 8 entries a token and role: a table of at most 32 entries is read without bank conflicts,
+  // and a lookup is a 32-bit shared address instead of a 64-bit device one (the same values: the codec macros name
+  // the device tables until these are staged; the history decode reads those).
+#ifdef kT1_N
+  SHARED float sh_kt1[kT1_N];
+  for (int i = TID; i < kT1_N; i += NT) sh_kt1[i] = kT1[i];
+#undef kT1
+#define kT1 sh_kt1
+#endif
+#ifdef kT2_N
+  SHARED float sh_kt2[kT2_N];
+  for (int i = TID; i < kT2_N; i += NT) sh_kt2[i] = kT2[i];
+#undef kT2
+#define kT2 sh_kt2
+#endif
+#ifdef vT1_N
+  SHARED float sh_vt1[vT1_N];
+  for (int i = TID; i < vT1_N; i += NT) sh_vt1[i] = vT1[i];
+#undef vT1
+#define vT1 sh_vt1
+#endif
+#ifdef vT2_N
+  SHARED float sh_vt2[vT2_N];
+  for (int i = TID; i < vT2_N; i += NT) sh_vt2[i] = vT2[i];
+#undef vT2
+#define vT2 sh_vt2
+#endif
 #if KEY_SKETCH
   // The sketched query rows (SK·D coordinates each), scaled alike, laid out [a lane's coordinate k < SK·8][lane][row]:
   // a token's lanes read adjacent words and a coordinate's R rows are adjacent (one 16-byte read at R = 4). Laid out
@@ -1505,8 +1541,10 @@ def sketch_declines(key: Codec, head_dim: int, rows: int, backend: str | None) -
         return unverified
     sketch = key.bits if key.kind == "qjl" else 1  # SK
     groups = threads_for(head_dim) // (head_dim // 8)  # NSG
-    # sh_q, sh_kc, sh_q2, sh_m, sh_l, sh_o of `_ATTEND_BODY` (4-byte words)
+    # sh_q, sh_kc, sh_q2, sh_m, sh_l, sh_o of `_ATTEND_BODY` (4-byte words), and the centroid tables staged (the
+    # keys' where they have codes, a value codec's at most 2^8)
     words = rows * head_dim + rows + 1 + rows * sketch * head_dim + 2 * groups * rows + groups * head_dim
+    words += (1 << key.bits if key.kind == "prod" else 0) + (1 << 8)
     if 4 * words > TILED_SHARED_LIMIT:
         return (f"the decode kernel's sketched queries need more threadgroup memory than {TILED_SHARED_LIMIT} bytes at "
                 f"{rows} query heads per kv head")
