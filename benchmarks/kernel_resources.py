@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -201,15 +202,21 @@ PAIRS = (
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
     ("qjl 4", Codec("qjl", 4), Codec("affine", 4), 64, None),
     ("turboquant_prod 4", Codec("prod", 3), Codec("codebook", 4), 64, None),
+    # the centroid tables in threadgroup memory (decode.STAGED_TABLE_BACKENDS)
+    ("turboquant 4, staged tables", Codec("codebook", 4), Codec("codebook", 4), 64, None),
+    ("rvq 4, staged tables", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
+    ("turboquant_prod 4, staged tables", Codec("prod", 3), Codec("codebook", 4), 64, None),
 )
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int,
-                uniform: bool = False, prefetch: bool = True) -> str:
+                uniform: bool = False, prefetch: bool = True, staged: bool = False) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
+    if staged:
+        source = replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
@@ -245,7 +252,7 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows, uniform="uniform" in label,
-                                 prefetch="no prefetch" not in label))
+                                 prefetch="no prefetch" not in label, staged="staged tables" in label))
              for label, k, v, g, kb in PAIRS]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
                                 [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),

@@ -211,6 +211,23 @@ def test_plan_constants_compiled_into_the_source_give_the_same_attention(spec: s
     assert mx.array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("spec", ["turboquant:k4v4:g64", "rvq:k3v3:g64:w5:s2", "turboquant_prod:k4v4:g64"])
+def test_staged_centroid_tables_give_the_same_attention(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode.STAGED_TABLE_BACKENDS: the per-subgroup pass reads the codebook codecs' centroids from threadgroup
+    memory where the backend is admitted, else from the device tables: the same output, exactly."""
+    from engine.kvcache.kernels import decode
+
+    outputs = []
+    for staged in ((), (EMULATE,)):
+        monkeypatch.setattr(decode, "STAGED_TABLE_BACKENDS", staged)
+        cache = _filled(spec, 1200, 128, 4, seed=9)
+        plan, queries, *_ = _attend_both(cache, 1200, 4)
+        assert ("#define STAGE_TABLES 1" in plan.attend.source.defines) == bool(staged)  # type: ignore[attr-defined]
+        outputs.append(cache.attention(queries, None, None, scale=0.088, mask=None))
+    assert mx.array_equal(outputs[0], outputs[1])
+
+
 ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_traditional={}"
 
 

@@ -417,6 +417,33 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
 
 
 @needs_gpu
+@pytest.mark.parametrize("spec", [("turboquant", 4, 64, 0, 0), ("turboquant", 2, 64, 5, 2), ("rvq", 4, 64, 0, 0),
+                                  ("rvq", 3, 64, 5, 2), ("turboquant_prod", 4, 64, 0, 0)],
+                         ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("tokens", (70, 4097))
+def test_decode_kernel_with_staged_tables_matches_the_device_tables(spec: tuple, tokens: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The codebook codecs' centroids read from threadgroup memory (this GPU's backend let into
+    decode.STAGED_TABLE_BACKENDS) give the same attention, exactly, as read from the device tables, which the parity
+    tests above hold to the reference: the parity run behind a backend's place in that list."""
+    from engine.kvcache.kernels import decode
+
+    method, bits, group, window, sinks = spec
+    if method == "turboquant_prod":
+        monkeypatch.setattr(decode, "SKETCH_BACKENDS", (*decode.SKETCH_BACKENDS, available_backend()))
+    rng = np.random.default_rng(tokens)
+    queries = mx.array(rng.standard_normal((1, 8, 1, 128), dtype=np.float32)).astype(mx.bfloat16)
+    outputs = []
+    for staged in ((), (available_backend(),)):
+        monkeypatch.setattr(decode, "STAGED_TABLE_BACKENDS", staged)
+        fused = _filled(method, bits, group, window, sinks, tokens, "require", 128, 2, mx.bfloat16, seed=tokens)
+        assert fused._decode_plan(4) is not None
+        outputs.append(fused.attention(queries, None, None, scale=128**-0.5, mask=None))
+    mx.eval(outputs)
+    assert mx.array_equal(outputs[0], outputs[1])
+
+
+@needs_gpu
 @pytest.mark.parametrize("spec", [("turboquant_prod", 4, 64, 0, 0), ("turboquant_prod", 2, 64, 5, 2), ("qjl", 4, 64, 0, 0),
                                   ("qjl", 2, 32, 3, 1), ("polarquant", 4, 64, 0, 0), ("polarquant", 3, 64, 5, 2),
                                   ("polarquant", 2, 64, 0, 0)], ids=lambda s: "-".join(map(str, s)))

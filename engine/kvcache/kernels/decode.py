@@ -72,6 +72,10 @@ UNROLL = 2
 # step's host build spends ~36-41 µs a layer in the two kernel calls (host-profile-h200.json). Off until a GPU timing
 # shows it pays (the same kernels either way: the arguments become the same `constexpr int` lines).
 PLAN_CONSTANTS_IN_SOURCE = False
+# Backends where the per-subgroup pass stages the codebook codecs' centroid tables in threadgroup memory (define
+# STAGE_TABLES): turboquant's, rvq's and turboquant_prod's token loop ~5-9 % fewer instructions (sm_90a offline,
+# kernel-resources-r22.json); a GPU parity run and timing decide.
+STAGED_TABLE_BACKENDS: tuple[str, ...] = ("emulate",)
 
 # How 8 consecutive channels [lane*8, lane*8 + 8) of compressed token `c` are read into float `out[8]`,
 # with `mul` the per-token factor (a norm) that multiplies the score or the softmax weight. `P` is the
@@ -321,26 +325,30 @@ _ATTEND_BODY = """
   // The codebook codecs' centroid tables (kT1, kT2, vT1, vT2: 2^bits floats each) in threadgroup memory, where
   // every lane looks up 8 entries a token and role: a table of at most 32 entries is read without bank conflicts,
   // and a lookup is a 32-bit shared address instead of a 64-bit device one (the same values: the codec macros name
-  // the device tables until these are staged; the history decode reads those).
-#ifdef kT1_N
+  // the device tables until these are staged; the history decode reads those). Where STAGED_TABLE_BACKENDS admits
+  // the backend (STAGE_TABLES).
+#ifndef STAGE_TABLES
+#define STAGE_TABLES 0
+#endif
+#if defined(kT1_N) && STAGE_TABLES
   SHARED float sh_kt1[kT1_N];
   for (int i = TID; i < kT1_N; i += NT) sh_kt1[i] = kT1[i];
 #undef kT1
 #define kT1 sh_kt1
 #endif
-#ifdef kT2_N
+#if defined(kT2_N) && STAGE_TABLES
   SHARED float sh_kt2[kT2_N];
   for (int i = TID; i < kT2_N; i += NT) sh_kt2[i] = kT2[i];
 #undef kT2
 #define kT2 sh_kt2
 #endif
-#ifdef vT1_N
+#if defined(vT1_N) && STAGE_TABLES
   SHARED float sh_vt1[vT1_N];
   for (int i = TID; i < vT1_N; i += NT) sh_vt1[i] = vT1[i];
 #undef vT1
 #define vT1 sh_vt1
 #endif
-#ifdef vT2_N
+#if defined(vT2_N) && STAGE_TABLES
   SHARED float sh_vt2[vT2_N];
   for (int i = TID; i < vT2_N; i += NT) sh_vt2[i] = vT2[i];
 #undef vT2
@@ -1746,6 +1754,8 @@ def plan_decode(
         source = attend_source(key_codec, value_codec)
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
+    if tiled is None and backend in STAGED_TABLE_BACKENDS:
+        source = replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
     if PLAN_CONSTANTS_IN_SOURCE:
         constants = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in template)
         source, template = replace(source, defines=constants + source.defines), ()
