@@ -127,7 +127,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--contexts", default="8193,32769")
-    parser.add_argument("--specs", default="fp16,kivi:k4v4:g64:s4:key_block=128:rotate_values=true")
+    parser.add_argument("--specs", default="fp16,kivi:k4v4:g64:s4:key_block=128:rotate_values=true",
+                        help="cache specs in decode.py's syntax, kernel variants (SPEC#NAME=VALUE) included")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--variants", help="the sweep's variants as a JSON list of {constant: value} (default: SWEEP)")
@@ -139,14 +140,17 @@ def main() -> None:
     prepare_runtime()
     import mlx.core as mx
 
-    from benchmarks.decode import SHAPES
+    from benchmarks.decode import SHAPES, constants_entry, spec_constants
 
     shape = SHAPES[args.shape]
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for spec in args.specs.split(","):
             variants = tuple(json.loads(args.variants)) if args.variants else SWEEP
-            for row in profile(spec, context, shape, args.repeats, args.sweep, variants):
+            with spec_constants(spec) as text:  # a `SPEC#NAME=VALUE` variant: its constants set while it runs
+                profiled = profile(text, context, shape, args.repeats, args.sweep, variants)
+            for row in profiled:
+                row.update(constants_entry(spec))
                 if "variant" not in row:
                     print(json.dumps(row), flush=True)
                 rows.append(row)
