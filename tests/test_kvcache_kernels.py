@@ -181,10 +181,14 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     units = []
     for key, value in pairs:
         source = attend_source(key, value)
-        units.append(_cuda_unit(source, _attend_dtypes(key, value),
-                                {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 64, "CT": 64, "U": 2, "CS": 4, "NS": 4,
-                                 "HW": 1, "TD": mx.bfloat16}))
+        # and the centroid tables in threadgroup memory (decode.STAGED_TABLE_BACKENDS) where the codec has any
+        staged = (replace(source, defines="#define STAGE_TABLES 1\n" + source.defines),) if key.kind in (
+            "codebook", "rvq", "prod") else ()
+        for variant in (source, *staged):
+            units.append(_cuda_unit(variant, _attend_dtypes(key, value),
+                                    {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
+                                    {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 64, "CT": 64, "U": 2, "CS": 4, "NS": 4,
+                                     "HW": 1, "TD": mx.bfloat16}))
     for stages in (1, 2):
         names = encode_source(stages).input_names + encode_source(stages).output_names
         dtypes = {n: mx.float32 for n in names} | {"xin": mx.bfloat16, "norms": mx.bfloat16,
