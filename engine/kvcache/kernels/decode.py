@@ -224,13 +224,15 @@ _HEADER = """
 // Codes [first, first + 8) of a row packed as a little-endian bit stream of `bits`-bit codes (MLX's affine
 // packing, also Velox's pack_bits): at most two 32-bit words, since first·bits is a multiple of 8 and
 // 8·bits <= 64 for every width but 7. 32-bit shifts where the 8 codes sit in one word (4 bits and less,
-// lane-aligned): 64-bit shifts and conversions cost several instructions each.
+// lane-aligned): 64-bit shifts and conversions cost several instructions each. `first` is a multiple of 8 at every
+// call (a lane's 8 channels), so at 1, 2 and 4 bits the 8 codes never straddle a word: known at compile time for a
+// literal width, which drops the 64-bit branch from the code.
 INLINE void unpack8u(const GLOBAL U32* row, int first, int bits, THREAD U32* out) {
   const int bit = first * bits;
   const int w = bit >> 5;
   const int sh = bit & 31;
   const U32 mask = (1u << bits) - 1u;
-  if (sh + 8 * bits <= 32) {
+  if (32 % (8 * bits) == 0 || sh + 8 * bits <= 32) {
     const U32 x = row[w] >> sh;
     for (int i = 0; i < 8; ++i) out[i] = (x >> (i * bits)) & mask;
   } else {
