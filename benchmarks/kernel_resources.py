@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,12 @@ sys.path.insert(0, str(ROOT))
 from engine.kvcache.kernels.backend import KernelSource, cuda_unit  # noqa: E402
 from engine.kvcache.kernels.decode import (  # noqa: E402
     MERGE_SOURCE,
+    TABLE_SLOTS,
     TILED_RUN,
     UNROLL,
     Codec,
     attend_source,
+    staged_tables,
     threads_for,
     tile_tokens,
     tiled_source,
@@ -216,7 +217,7 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     if staged:
-        source = replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
+        source = staged_tables(source)
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
@@ -233,7 +234,7 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
     for prefix, codec in (("k", key), ("v", value)):
         for slot in range(codec.slots):
             codes = slot == 0 or (codec.kind == "rvq" and slot == 3) or (codec.kind == "prod" and slot == 4)
-            small = codec.kind in ("codebook", "rvq", "prod") and slot in (2, 5)
+            small = slot in (table for table, _ in TABLE_SLOTS.get(codec.kind, ()))  # float32 centroids
             types[f"{prefix}{slot}"] = "uint32" if codes else ("float32" if small else "bfloat16")
     return wrap(source, types, {}, template)
 

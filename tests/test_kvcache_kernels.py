@@ -25,7 +25,15 @@ from engine.errors import ConfigError
 from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape
 from engine.kvcache.kernels import available_backend, check_kernel_mode, resolve_backend
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, cuda_unit, names_are_distinct
-from engine.kvcache.kernels.decode import MERGE_SOURCE, TILED_RUN, Codec, attend_source, tiled_source
+from engine.kvcache.kernels.decode import (
+    MERGE_SOURCE,
+    TABLE_SLOTS,
+    TILED_RUN,
+    Codec,
+    attend_source,
+    staged_tables,
+    tiled_source,
+)
 from engine.kvcache.kernels.dequantize import (
     KIVI_TILE_TOKENS,
     SIGNS_SOURCE,
@@ -182,8 +190,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     for key, value in pairs:
         source = attend_source(key, value)
         # and the centroid tables in threadgroup memory (decode.STAGED_TABLE_BACKENDS) where the codec has any
-        staged = (replace(source, defines="#define STAGE_TABLES 1\n" + source.defines),) if key.kind in (
-            "codebook", "rvq", "prod") else ()
+        staged = (staged_tables(source),) if key.kind in TABLE_SLOTS else ()
         for variant in (source, *staged):
             units.append(_cuda_unit(variant, _attend_dtypes(key, value),
                                     {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},

@@ -1715,13 +1715,18 @@ def _placeholder(dtype: mx.Dtype) -> mx.array:
 
 # The centroid tables each codebook codec reads (its array slot, its code width's attribute): all 2^bits of them are
 # staged when STAGE_TABLES is on.
-_TABLE_SLOTS = {"codebook": ((2, "bits"),), "rvq": ((2, "bits"), (5, "bits2")), "prod": ((2, "bits"),)}
+TABLE_SLOTS = {"codebook": ((2, "bits"),), "rvq": ((2, "bits"), (5, "bits2")), "prod": ((2, "bits"),)}
+
+
+def staged_tables(source: KernelSource) -> KernelSource:
+    """The per-subgroup pass `source` with its codecs' centroid tables staged in threadgroup memory (STAGE_TABLES)."""
+    return replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
 
 
 def _tables_whole(codec: Codec, arrays: list[mx.array | None]) -> bool:
     """Whether each centroid table of `codec` in `arrays` holds an entry for every code (what staging copies)."""
     return all(arrays[slot] is not None and arrays[slot].size >= 1 << getattr(codec, width)
-               for slot, width in _TABLE_SLOTS.get(codec.kind, ()))
+               for slot, width in TABLE_SLOTS.get(codec.kind, ()))
 
 
 def plan_decode(
@@ -1769,7 +1774,7 @@ def plan_decode(
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
     if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
-        source = replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
+        source = staged_tables(source)
     if PLAN_CONSTANTS_IN_SOURCE:
         constants = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in template)
         source, template = replace(source, defines=constants + source.defines), ()
