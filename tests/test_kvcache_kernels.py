@@ -497,7 +497,7 @@ def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: 
     queries = mx.array(np.random.default_rng(tokens + 7).standard_normal((1, 8, 1, 128), dtype=np.float32))
     out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
     plan = fused._decode_plan(4)
-    assert plan is not None and ("ROPE", 1) in plan.template and ("TRAD", int(traditional)) in plan.template
+    assert plan is not None and ("ROPE", 1) in plan.constants and ("TRAD", int(traditional)) in plan.constants
     ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
     error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
     assert np.isfinite(error) and error <= 2e-3, f"rope=pre traditional={traditional} tokens={tokens}: {error}"
@@ -523,7 +523,7 @@ def test_decode_kernel_adds_key_outliers(rope: str, tokens: int, monkeypatch: py
     fused = _filled("kivi", 3, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
                     spiked=True)
     plan = fused._decode_plan(4)
-    assert plan is not None and ("KO", 1) in plan.template and ("ROPE", int(rope != "none")) in plan.template
+    assert plan is not None and ("KO", 1) in plan.constants and ("ROPE", int(rope != "none")) in plan.constants
     excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_outliers rope={rope} tokens={tokens}: {excess}"
 
@@ -554,8 +554,8 @@ def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, ro
     fused = _filled("kivi", bits, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, seed=tokens, options=options,
                     spiked=True)
     plan = fused._decode_plan(4)
-    assert plan is not None and ("KCLS", 4) in plan.template and ("KO", int(bits == 3)) in plan.template
-    assert ("ROPE", int(rope == "pre")) in plan.template
+    assert plan is not None and ("KCLS", 4) in plan.constants and ("KO", int(bits == 3)) in plan.constants
+    assert ("ROPE", int(rope == "pre")) in plan.constants
     excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_widths {counts} tokens={tokens}: {excess}"
 

@@ -68,13 +68,17 @@ MAX_WIDTH_CLASSES = 4
 UNROLL = 2
 # Whether a plan's constant launch arguments (D, R, NT, G, ..., ~20 for the tiled pass) are compiled into its attention
 # kernel's source, one kernel object per plan, so that a step's call passes only the 4 that vary (CS, NS, HW, TD).
-# MLX's CUDA front end formats every template argument into the kernel's source text on every call, and a decode
-# step's host build spends ~36-41 µs a layer in the two kernel calls (host-profile-h200.json). Off until a GPU timing
-# shows it pays (the same kernels either way: the arguments become the same `constexpr int` lines).
-PLAN_CONSTANTS_IN_SOURCE = False
+# MLX's CUDA front end formats every template argument into the kernel's source text on every call. With them in the
+# source, decode_attention's own host time (profiled) fell 1.30 -> 0.94 and 1.19 -> 0.93 ms a step (32 layers, the 4-
+# and 2-bit levels; host-profile-plan-constants-h200.json) and their step took 2-5 % less at 8k and 32k, 4 of 4 pairs
+# (decode-plan-constants-h200.json); the same kernels either way (the arguments become the same `constexpr int`
+# lines; kernel-parity-plan-constants-h200.log).
+PLAN_CONSTANTS_IN_SOURCE = True
 # Backends where the per-subgroup pass stages the codebook codecs' centroid tables in threadgroup memory (define
 # STAGE_TABLES): turboquant's, rvq's and turboquant_prod's token loop ~5-9 % fewer instructions (sm_90a offline,
-# kernel-resources-r22.json); a GPU parity run and timing decide.
+# kernel-resources-r22.json). Parity passed on the H200 (kernel-parity-staged-tables-h200.log), but the timing did not
+# pay: the kernel alone slower at 8k (turboquant 1.92 -> 2.53 ms, rvq 2.27 -> 2.93 for 32 layers), 4-7 % faster at 32k
+# (decode-profile-staged-tables-h200.json), the step within the rounds' spread (decode-staged-tables-h200.json). Off.
 STAGED_TABLE_BACKENDS: tuple[str, ...] = ("emulate",)
 
 # How 8 consecutive channels [lane*8, lane*8 + 8) of compressed token `c` are read into float `out[8]`,
@@ -1641,13 +1645,15 @@ def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
 @dataclass(frozen=True)
 class DecodePlan:
     """What a cache's decode steps launch, fixed while its compressed buffers stay the same arrays: the
-    two kernels, the compressed arrays in codec order, and the launch's constant template arguments.
+    two kernels, the compressed arrays in codec order, and its compile-time constants (`constants`), which a call
+    passes as template arguments (`template`) unless PLAN_CONSTANTS_IN_SOURCE compiled them into the kernel.
     Building it once per buffer growth keeps the per-step host work to the launch itself."""
 
     attend: object
     merge: object
     arrays: tuple[mx.array, ...]
     template: tuple[tuple[str, object], ...]
+    constants: tuple[tuple[str, object], ...]
     tile: int
     threads: int
     target_groups: int
@@ -1775,14 +1781,16 @@ def plan_decode(
     if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
         source = staged_tables(source)
+    constants = tuple(template)
     if PLAN_CONSTANTS_IN_SOURCE:
-        constants = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in template)
-        source, template = replace(source, defines=constants + source.defines), ()
+        lines = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in constants)
+        source, template = replace(source, defines=lines + source.defines), ()
     return DecodePlan(
         attend=kernel(source, backend),
         merge=kernel(MERGE_SOURCE, backend),
         arrays=arrays,
-        template=template,
+        template=tuple(template),
+        constants=constants,
         tile=tile,
         threads=threads,
         target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
