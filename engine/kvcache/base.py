@@ -625,12 +625,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         if not _attention.attention_dispatch_installed():
             # Our caches only work through the hook; install it on first use (see attention.py).
             _attention.install_attention_dispatch()
-        dense_dtype = self._dense_dtype
-        keys = self._keys_in(keys).astype(dense_dtype)
-        values = self._values_in(values).astype(dense_dtype)
         n_new = keys.shape[-2]
         if n_new <= self.step:  # decoding (not a prefill chunk): no more room ahead needed
             self.release_room_ahead()
+        if self._encodes_directly():
+            # Every new token goes straight to compressed storage (what the path below does with no window and
+            # the sinks full), so the method may take them before its transforms (`_encode_incoming`).
+            self._append_compressed(self._encode_incoming(keys, values))
+            self.offset += n_new
+            return self, self
+        keys, values = self._stored_in(keys, values)
         start = 0
         if self.n_sink < self.config.sink_tokens and self.offset == self.n_sink:
             start = min(self.config.sink_tokens - self.n_sink, n_new)
@@ -658,6 +662,23 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
                 self._window_values = _owned(self._window_values[..., overflow:, :])
         self.offset += n_new
         return self, self
+
+    def _encodes_directly(self) -> bool:
+        """Whether new tokens go straight to compressed storage: tokens compressed one by one, no 16-bit window,
+        the sink tokens all held and none of them in the stream."""
+        return (self.token_block == 1 and self.config.residual_window == 0 and self.n_window == 0
+                and self.n_sink >= self.config.sink_tokens and not self.sinks_in_stream(self.config))
+
+    def _encode_incoming(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """`_encode` of new tokens as the model gives them: transformed and cast to the 16-bit dtype first, as
+        every stored token is. A method whose encode kernel applies its transform itself overrides this."""
+        return self._encode(*self._stored_in(keys, values))
+
+    def _stored_in(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """New tokens as every part of the cache stores them: transformed (`_keys_in`, `_values_in`) and in the
+        16-bit dtype. A method may do both in one launch (KIVI's value rotation, kernels/rotate.py)."""
+        dense_dtype = self._dense_dtype
+        return self._keys_in(keys).astype(dense_dtype), self._values_in(values).astype(dense_dtype)
 
     def _neutral_sink_copies(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The first block with its sink copies replaced by the mean of the block's other tokens.
@@ -1007,6 +1028,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             self.n_duplicated,
             out_signs=signs,
             sketched=self._sketched_queries(transformed) if plan.sketch else None,
+            # the merge pass, which rotates the output back, also casts it (else `_output_out` still works on it)
+            out_dtype=queries.dtype if signs is not None else None,
         )
         if signs is None:
             output = self._output_out(output)

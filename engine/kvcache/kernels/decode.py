@@ -1809,11 +1809,14 @@ def decode_attention(
     n_skipped: int = 0,
     out_signs: mx.array | None = None,
     sketched: mx.array | None = None,
+    out_dtype: mx.Dtype | None = None,
 ) -> mx.array:
     """Attention of one query token per sequence over sink + compressed + window.
 
     `queries` [B, n_q_heads, 1, D] (query head h attends with kv head h // (n_q_heads / n_kv), so the rows
-    of one kv head are consecutive: no reshape is needed); returns the same shape and dtype.
+    of one kv head are consecutive: no reshape is needed); returns the same shape, in `out_dtype` if given (the
+    model's dtype where the method's queries are float32 after its transform: the merge pass casts, not a launch
+    of its own), else the queries' dtype.
     `sink`/`window` are 16-bit (keys, values) [B, n_kv, n, D] holding exactly their tokens; the compressed
     arrays in the plan are the cache's whole buffers (capacity >= n_compressed tokens: only the first
     n_compressed are read, and passing the buffers rather than views avoids a copy of the history a step).
@@ -1850,10 +1853,10 @@ def decode_attention(
         inputs=[part_m, part_l, part_o, _scale_array(1.0) if out_signs is None else out_signs,
                 _scale_array(1.0 / math.sqrt(head_dim))],
         template=[("D", head_dim), ("R", rows), ("NM", merge_threads), ("MAXS", MAX_SPLITS),
-                  ("ROT", int(out_signs is not None)), ("TO", queries.dtype)],
+                  ("ROT", int(out_signs is not None)), ("TO", out_dtype or queries.dtype)],
         grid=(bh * rows * merge_threads, 1, 1),
         threadgroup=(merge_threads, 1, 1),
         output_shapes=[queries.shape],
-        output_dtypes=[queries.dtype],
+        output_dtypes=[out_dtype or queries.dtype],
     )
     return out

@@ -17,7 +17,8 @@ The arithmetic follows the reference exactly: u = x / max(‖x‖, tiny), code =
 r = u - c₁[code₁] is divided by max(rms(r), tiny), coded against the second boundaries, and its scale is
 the least-squares fit Σ r·c₂ / max(Σ c₂², tiny). Sums run in a different order than MLX's reductions, so a
 value lying within float rounding of a boundary can take the neighbouring code (the tests allow for it).
-The rotation itself stays in MLX (`_keys_in`: a Hadamard transform), as on the reference path.
+The rotation (a Hadamard transform) stays in MLX on the reference path (`_keys_in`); where ROTATE_ENCODE_BACKENDS has
+the backend, a window-less cache's new tokens come here before it, and the warp applies it (`rotation_fusable`).
 
 Sketched keys take a sketch variant (`sketch=True`): turboquant_prod's after their (b-1)-bit codes, the residual
 r = u - c[code] (its norm ‖r‖ stored too), qjl's with no codebook stage, the key itself, go to shared memory; each
@@ -39,6 +40,7 @@ import math
 import mlx.core as mx
 
 from engine.kvcache.kernels.backend import KernelSource, kernel
+from engine.kvcache.kernels.rotate import WARP_HADAMARD, rotation_scale, warp_rotatable
 from engine.kvcache.quant.sketch import sketch_projection
 
 THREADS = 128  # 4 vectors, one warp each, per threadgroup
@@ -72,12 +74,20 @@ _WARP_PROLOGUE = """
       word |= shift >= 0 ? (c << shift) : (c >> (-shift)); } \\
     dst[row * ((N) * (B) / 32) + w] = word; }
   float x[P];
-  float ss = 0.0f;
   for (int p = 0; p < P; ++p) {
     const int d = lane + 32 * p;
     x[p] = (valid && d < D) ? (float)xin[base + d] : 0.0f;
-    ss += x[p] * x[p];
   }
+#if ROTATE
+  // The method's rotation R x = H (signs ⊙ x) / sqrt(D) (Sylvester H, D = 32·P a power of two), then the rounding to
+  // the 16-bit dtype TR the reference path stores first (kernels/rotate.py's WARP_HADAMARD: coordinate d = lane + 32 p,
+  // a shuffle for each of d's five low bits, register pairs for the rest).
+  for (int p = 0; p < P; ++p) x[p] *= rsign[lane + 32 * p];
+""" + WARP_HADAMARD + """
+  for (int p = 0; p < P; ++p) x[p] = (float)static_cast<TR>(x[p] * rscale[0]);
+#endif
+  float ss = 0.0f;
+  for (int p = 0; p < P; ++p) ss += x[p] * x[p];
   for (int m = 16; m > 0; m >>= 1) ss += LANE_XOR(ss, m);
   const float norm = sqrt(ss);
   const float denom = FMAX(norm, 1e-30f);
@@ -217,6 +227,14 @@ _POLAR_BODY = _WARP_PROLOGUE + """
 # encode, qjl:k4v4 within the rounds' spread (benchmarks/results/decode-sketch-encode-polar-h200.json). Metal runs
 # the same body: enabled by construction, as every kernel here.
 SKETCH_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
+# Backends where a rotated codebook method's new tokens reach the encode kernel before their rotation, which the kernel
+# applies (define ROTATE): per layer and decode step, the rotation's sign products, transforms and 16-bit casts of keys
+# and values leave the step (turboquant:k4v4's step 1,550 -> 1,230 operations, as many as affine's; rvq's 1,806 ->
+# 1,486; launch-count-rotate-h200.json). CUDA passed the GPU parity run (test_encode_kernel_rotates_as_the_reference
+# and the decode parity of every rotated codebook method through it; kernel-parity-rotate-encode-h200.log), and
+# turboquant:k4v4's 8k step took 1.19 / 1.13 of affine's against 1.28 / 1.23 without (decode-rotate-encode-h200.json).
+# Metal runs the same body (its LANE_XOR and 16-bit casts are the decode kernels'): enabled by construction.
+ROTATE_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 # The most new tokens whose keys encode through the kernel where the sketch has more rows than a key has channels
 # (qjl at 2 or more key bits: m = key_bits·D); a longer chunk (a prefill's) encodes through MLX, whose S·k is one
 # matmul on the GPU's matrix units, where each of the kernel's warps reads all m rows of S for its key (m·D
@@ -289,24 +307,31 @@ POLAR_ENCODE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
 
 @functools.cache
-def encode_source(stages: int, sketch: bool = False) -> KernelSource:
+def encode_source(stages: int, sketch: bool = False, rotate: bool = False) -> KernelSource:
     """The encode kernel for one (turboquant) or two (rvq) codebook stages; with `sketch`, the signs of a sketch
     too: of the residual after one stage, whose norm is stored as well (turboquant_prod's keys), or, with no stage,
-    of the vector itself (qjl's keys)."""
+    of the vector itself (qjl's keys). With `rotate` it takes the vectors before the method's Hadamard rotation and
+    applies it (and the 16-bit rounding) first (`rotation_fusable`)."""
     if not ((stages in (1, 2) and not sketch) or (stages in (0, 1) and sketch)):
         raise ValueError(f"The codebook encode kernel has one or two stages, or a sketch after none or one; "
                          f"not {stages} stages{' with a sketch' if sketch else ''}.")
-    inputs = ("xin", *(("bnd1", "cen1") if stages >= 1 else ()), *(("bnd2", "cen2") if stages == 2 else ()),
-              *(("sk",) if sketch else ()))
+    inputs = ("xin", *(("rsign", "rscale") if rotate else ()), *(("bnd1", "cen1") if stages >= 1 else ()),
+              *(("bnd2", "cen2") if stages == 2 else ()), *(("sk",) if sketch else ()))
     outputs = ("norms", *(("packed",) if stages >= 1 else ()), *(("residual", "rscales") if stages == 2 else ()),
                *(("rnorm",) if sketch and stages == 1 else ()), *(("signs",) if sketch else ()))
     return KernelSource(
-        name=f"velox_codebook_encode{stages}" + ("_sketch" if sketch else ""),
+        name=f"velox_codebook_encode{stages}" + ("_sketch" if sketch else "") + ("_rotate" if rotate else ""),
         input_names=inputs,
         output_names=outputs,
         body=_ENCODE_BODY,
-        defines=f"#define STAGES {stages}\n#define SKETCH {int(sketch)}\n",
+        defines=f"#define STAGES {stages}\n#define SKETCH {int(sketch)}\n#define ROTATE {int(rotate)}\n",
     )
+
+
+def rotation_fusable(backend: str | None, signs: mx.array | None, head_dim: int) -> bool:
+    """Whether the encode kernel applies a rotation itself on `backend`: admitted there (ROTATE_ENCODE_BACKENDS)
+    and one a warp applies (`rotate.warp_rotatable`; `signs`: Rotation.sylvester_inverse_signs)."""
+    return backend in ROTATE_ENCODE_BACKENDS and warp_rotatable(signs, head_dim)
 
 
 def codebook_encode(
@@ -315,8 +340,11 @@ def codebook_encode(
     norm_dtype: mx.Dtype,
     backend: str,
     sketch: mx.array | None = None,
+    rotation_signs: mx.array | None = None,
 ) -> list[mx.array]:
     """Encode [..., n, D] vectors; `stages` = [(bits, centroids, boundaries)] (one or two stages).
+    With `rotation_signs` (`rotation_fusable` checked by the caller) the vectors are taken before the rotation
+    H (signs ⊙ x) / sqrt(D), which the kernel applies and rounds to `norm_dtype` (the cache's 16-bit dtype) first.
 
     Returns [norms [..., n, 1], codes [..., n, D·bits/32]] and for two stages also
     [residual codes, residual scales [..., n, 1]], norms and scales in `norm_dtype`. With an m×D `sketch` and one
@@ -329,6 +357,9 @@ def codebook_encode(
     rows = lead[0] * lead[1] * n
     inputs = []
     template: list[tuple[str, object]] = [("D", head_dim), ("NT", THREADS), ("TN", norm_dtype)]
+    if rotation_signs is not None:
+        inputs += [rotation_signs, rotation_scale(head_dim)]
+        template.append(("TR", norm_dtype))
     output_shapes = [(*lead, n, 1)] + ([(*lead, n, head_dim * stages[0][0] // 32)] if stages else [])
     output_dtypes = [norm_dtype] + ([mx.uint32] if stages else [])
     for index, (bits, centroids, boundaries) in enumerate(stages, start=1):
@@ -346,7 +377,7 @@ def codebook_encode(
             output_dtypes.append(norm_dtype)
         output_shapes.append((*lead, n, rows_m // 32))
         output_dtypes.append(mx.uint32)
-    run = kernel(encode_source(len(stages), sketch is not None), backend)
+    run = kernel(encode_source(len(stages), sketch is not None, rotation_signs is not None), backend)
     groups = (rows + THREADS // 32 - 1) // (THREADS // 32)
     return run(
         inputs=[vectors, *inputs],

@@ -13,7 +13,9 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernels.rotate import hadamard_rotate, rotate_takes
 from engine.kvcache.quant.rotation import Rotation, make_rotation
 
 ROTATION_KINDS = ("hadamard", "orthogonal")
@@ -80,6 +82,13 @@ class RotationMixin:
         return self._rotation.forward(values)
 
     def _queries_in(self, queries: mx.array) -> mx.array:
+        # One launch where kernels/rotate.py runs (MLX's rotation of a decode step's query is three: the cast the
+        # product with float32 signs brings, the product, the transform); float32 either way.
+        signs = self._rotation.sylvester_inverse_signs()
+        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) != "off" and queries.ndim == 4:
+            backend = _kernels.available_backend()
+            if rotate_takes(backend, signs, queries.shape[-1]):
+                return hadamard_rotate(queries, signs, mx.float32, backend)
         return self._rotation.forward(queries)
 
     def _output_out(self, output: mx.array) -> mx.array:

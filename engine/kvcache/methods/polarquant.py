@@ -51,6 +51,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
     )
     # Encoded by kernels/encode.py's polar kernel where encode.POLAR_ENCODE_BACKENDS has the backend (`_kernel_encode`)
     encode_kernel: ClassVar[bool] = True
+    rotation_in_encode: ClassVar[bool] = False  # its kernel (polar_encode) takes rotated tokens
 
     @classmethod
     def stage_bits(cls, bits: int) -> tuple[int, ...]:

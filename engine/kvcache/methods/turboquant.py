@@ -33,7 +33,7 @@ from engine.errors import ConfigError
 from engine.kvcache.base import SegmentedKVCache
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.kernels import DEFAULT_KERNEL_MODE, Codec, available_backend
-from engine.kvcache.kernels.encode import codebook_encode
+from engine.kvcache.kernels.encode import codebook_encode, rotation_fusable
 from engine.kvcache.methods._rotation import RotationMixin
 from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar, lloyd_max_codebook
@@ -76,6 +76,8 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
     # stage's scale) computes exactly this method's `_encode_role`; methods with their own unit encoding
     # (turboquant_prod's residual sketch, polarquant's angles) say False and encode through MLX ops.
     encode_kernel: ClassVar[bool] = True
+    # Whether `_kernel_encode` takes tokens before the rotation (`rotation_signs`, see `_encode_incoming`).
+    rotation_in_encode: ClassVar[bool] = True
 
     # ----- what a codebook method declares ----------------------------------------------------------------
 
@@ -186,13 +188,28 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
             return {**self._kernel_encode(keys, "key", backend), **self._kernel_encode(values, "value", backend)}
         return {**self._encode_role(keys, "key"), **self._encode_role(values, "value")}
 
-    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
-        """`_encode_role` in one launch (kernels/encode.py); the same entries in the same order."""
+    def _encode_incoming(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """New tokens before the rotation: where the encode kernel applies it (kernels.encode.rotation_fusable),
+        one launch per role does the rotation, the 16-bit rounding and the encode; elsewhere as the base does."""
+        mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
+        backend = available_backend() if mode != "off" and self.encode_kernel else None
+        assert self._rotation is not None
+        signs = self._rotation.sylvester_inverse_signs()
+        if not self.rotation_in_encode or keys.ndim != 4 or not rotation_fusable(backend, signs, keys.shape[-1]):
+            return super()._encode_incoming(keys, values)
+        assert backend is not None
+        return {**self._kernel_encode(keys, "key", backend, rotation_signs=signs),
+                **self._kernel_encode(values, "value", backend, rotation_signs=signs)}
+
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str,
+                       rotation_signs: mx.array | None = None) -> dict[str, mx.array]:
+        """`_encode_role` in one launch (kernels/encode.py); the same entries in the same order. With
+        `rotation_signs`, `vectors` are before the rotation, which the kernel applies."""
         stages = [
             (stage_bits, *self._codebooks[f"{role}{stage}"])
             for stage, stage_bits in enumerate(self.stage_bits(self._role_bits(role)))
         ]
-        parts = codebook_encode(vectors, stages, self._dense_dtype, backend)
+        parts = codebook_encode(vectors, stages, self._dense_dtype, backend, rotation_signs=rotation_signs)
         names = [f"{role}_norms", f"{role}_codes", f"{role}_residual_codes", f"{role}_residual_scales"]
         return dict(zip(names, parts, strict=False))
 

@@ -95,18 +95,23 @@ class VeloxTurboQuantProdKVCache(SketchMixin, RotatedCodebookKVCache):
             "key_residual_signs": sketch_signs(residual, self._sketch),
         }
 
-    def _kernel_encode(self, vectors: mx.array, role: str, backend: str) -> dict[str, mx.array]:
+    def _kernel_encode(self, vectors: mx.array, role: str, backend: str,
+                       rotation_signs: mx.array | None = None) -> dict[str, mx.array]:
         """Values as turboquant's; keys in one launch too (their codes, then the residual's norm and the signs of
-        its sketch) where the backend is in kernels.encode.SKETCH_ENCODE_BACKENDS, else through `_encode_role`."""
+        its sketch) where the backend is in kernels.encode.SKETCH_ENCODE_BACKENDS, else through `_encode_role`.
+        With `rotation_signs`, `vectors` are before the rotation (the kernel applies it; `_encode_role` after
+        `_keys_in`)."""
         centroids, boundaries = self._codebooks[f"{role}0"]
         if role == "value":
             parts = codebook_encode(vectors, [(self.config.value_bits, centroids, boundaries)], self._dense_dtype,
-                                    backend)
+                                    backend, rotation_signs=rotation_signs)
             return dict(zip(["value_norms", "value_codes"], parts, strict=True))
         if not _kernels.encode.sketch_encode_takes(backend, vectors.shape[-2], self._sketch.shape[0], vectors.shape[-1]):
+            if rotation_signs is not None:
+                vectors = self._keys_in(vectors).astype(self._dense_dtype)
             return self._encode_role(vectors, role)
         parts = codebook_encode(vectors, [(self.config.key_bits - 1, centroids, boundaries)], self._dense_dtype,
-                                backend, sketch=self._sketch)
+                                backend, sketch=self._sketch, rotation_signs=rotation_signs)
         return dict(zip(["key_norms", "key_codes", "key_residual_norms", "key_residual_signs"], parts, strict=True))
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:

@@ -1,0 +1,46 @@
+"""The GPU profiling scripts' own logic, on the CPU: benchmarks/launch_count.py counts a recorded step's operations
+by primitive from MLX's DOT export, and benchmarks/update_profile.py splits a one-token update into its parts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from benchmarks import decode
+from benchmarks.launch_count import count_operations, step_operations
+from benchmarks.update_profile import profile
+
+
+def test_operations_are_counted_by_primitive_from_the_dot_export(tmp_path) -> None:  # noqa: ANN001
+    a = mx.ones((4, 4))
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), (a @ a + 1).sum(), a * 2)
+    counts = count_operations(path.read_text())
+    assert counts["Matmul"] == 1 and counts["Add"] == 1 and counts["Sum"] == 1 and counts["Multiply"] == 1
+    assert "A" not in counts  # arrays are not operations
+
+
+def test_a_step_of_the_tiny_model_holds_its_layers_attention_and_the_cache_updates() -> None:
+    """The tiny shape's 2 layers (on the CPU, attention as MLX's composed ops: one softmax a layer): fp16 appends keys
+    and values; affine:k4v4 quantizes the new token's keys and values and appends their codes, scales and biases."""
+    shape = decode.SHAPES["tiny"]
+    model = decode.build_model(shape)
+    fp16 = step_operations("fp16", 40, shape, model)
+    affine = step_operations("affine:k4v4:g64", 40, shape, model)
+    layers = shape["layers"]
+    assert fp16["Softmax"] == affine["Softmax"] == layers
+    assert fp16["SliceUpdate"] == 2 * layers and "Quantize" not in fp16
+    assert affine["Quantize"] == 2 * layers and affine["SliceUpdate"] == 6 * layers
+    assert sum(affine.values()) > sum(fp16.values())
+
+
+def test_update_profile_times_the_direct_encode_only_where_a_cache_has_it() -> None:
+    """A window-less per-token cache has every part timed, its direct encode too; a KIVI cache (tokens wait in its
+    16-bit window) has only the update and its transform; fp16 only the update."""
+    shape = decode.SHAPES["tiny"]
+    rows = {spec: profile(spec, 50, shape, repeats=1)
+            for spec in ("fp16", "turboquant:k4v4:g64", "kivi:k4v4:g64:s4:key_block=128:rotate_values=true")}
+    assert set(rows["fp16"]) == {"spec", "context", "update"}
+    assert {"transform", "encode", "append", "incoming"} <= set(rows["turboquant:k4v4:g64"])
+    assert rows["turboquant:k4v4:g64"]["arrays_appended"] == 4
+    kivi = rows["kivi:k4v4:g64:s4:key_block=128:rotate_values=true"]
+    assert "transform" in kivi and "encode" not in kivi
