@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         if spec == "fp16":
             baseline = total
         launches = total - sum(n for name, n in counts.items() if name in VIEW_PRIMITIVES)
-        row: dict[str, Any] = {"spec": spec, "operations": total, "launches": launches,
-                               "by_primitive": dict(counts.most_common())}
+        row: dict[str, Any] = {"spec": decode.split_spec(spec)[0], **decode.constants_entry(spec),  # as decode.py's
+                               "operations": total, "launches": launches, "by_primitive": dict(counts.most_common())}
         if spec == "fp16":
             baseline_launches = launches
         if baseline is not None:
