@@ -78,21 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     model = decode.build_model(shape)
     decode._CALIBRATION_MODEL[:] = [model]  # key_widths=calibrated is measured on it, as decode.py does
     rows: list[dict[str, Any]] = []
-    baseline: int | None = None
-    baseline_launches = 0
+    fp16: dict[str, Any] | None = None  # the fp16 row, once it ran
     for spec in [s for s in args.specs.split(",") if s]:
         counts = step_operations(spec, args.context, shape, model)
         total = sum(counts.values())
-        if spec == "fp16":
-            baseline = total
         launches = total - sum(n for name, n in counts.items() if name in VIEW_PRIMITIVES)
         row: dict[str, Any] = {"spec": decode.split_spec(spec)[0], **decode.constants_entry(spec),  # as decode.py's
                                "operations": total, "launches": launches, "by_primitive": dict(counts.most_common())}
         if spec == "fp16":
-            baseline_launches = launches
-        if baseline is not None:
-            row["per_layer_over_fp16"] = (total - baseline) / shape["layers"]
-            row["launches_per_layer_over_fp16"] = (launches - baseline_launches) / shape["layers"]
+            fp16 = row
+        if fp16 is not None:
+            row["per_layer_over_fp16"] = (total - fp16["operations"]) / shape["layers"]
+            row["launches_per_layer_over_fp16"] = (launches - fp16["launches"]) / shape["layers"]
         rows.append(row)
         top = ", ".join(f"{name} {n}" for name, n in counts.most_common(8))
         print(f"{spec}: {total} operations, {launches} launches at most ({top})", flush=True)

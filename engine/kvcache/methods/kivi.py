@@ -139,8 +139,8 @@ from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.kernels.kivi_encode import kivi_encode
 from engine.kvcache.kernels.kivi_encode import supported as kivi_encode_supported
-from engine.kvcache.kernels.rotate import hadamard_rotate, rotate_takes
-from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
+from engine.kvcache.kernels.rotate import hadamard_rotate
+from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays, rotation_kernel_backend
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -738,19 +738,11 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         stores each layer's new token: four MLX launches otherwise)."""
         rotation = self._value_rotation
         signs = rotation.sylvester_inverse_signs() if isinstance(rotation, Rotation) else None
-        backend = self._rotation_kernel_backend(signs, values)
+        backend = rotation_kernel_backend(self.config, signs, values)
         if backend is None:
             return super()._stored_in(keys, values)
         return (self._keys_in(keys).astype(self._dense_dtype),
                 hadamard_rotate(values, signs, self._dense_dtype, backend))
-
-    def _rotation_kernel_backend(self, signs: mx.array | None, x: mx.array) -> str | None:
-        """The backend kernels/rotate.py rotates `x` on for this cache, or None (kernels off, not admitted, or a
-        rotation no warp applies)."""
-        if self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off" or x.ndim != 4:
-            return None
-        backend = _kernels.available_backend()
-        return backend if rotate_takes(backend, signs, x.shape[-1]) else None
 
     def _output_out(self, output: mx.array) -> mx.array:
         return output if self._value_rotation is None else self._value_rotation.inverse(output)

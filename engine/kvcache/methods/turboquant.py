@@ -179,11 +179,14 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
         unit = vectors / mx.maximum(norms, _TINY_NORM)
         return {f"{role}_norms": norms.astype(self._dense_dtype), **self._encode_unit(unit, role)}
 
-    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        # The fused kernel wherever one runs ("auto" and "require"; the "require" error, if any, comes from
-        # the decode step: encoding is the same function either way).
+    def _encode_backend(self) -> str | None:
+        """Where the fused encode kernel runs for this cache: wherever one runs ("auto" and "require"; the "require"
+        error, if any, comes from the decode step: encoding is the same function either way), else None."""
         mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
-        backend = available_backend() if mode != "off" and self.encode_kernel else None
+        return available_backend() if mode != "off" and self.encode_kernel else None
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        backend = self._encode_backend()
         if backend is not None and keys.ndim == 4:
             return {**self._kernel_encode(keys, "key", backend), **self._kernel_encode(values, "value", backend)}
         return {**self._encode_role(keys, "key"), **self._encode_role(values, "value")}
@@ -191,8 +194,7 @@ class RotatedCodebookKVCache(RotationMixin, SegmentedKVCache):
     def _encode_incoming(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         """New tokens before the rotation: where the encode kernel applies it (kernels.encode.rotation_fusable),
         one launch per role does the rotation, the 16-bit rounding and the encode; elsewhere as the base does."""
-        mode = self.config.options.get("kernels", DEFAULT_KERNEL_MODE)
-        backend = available_backend() if mode != "off" and self.encode_kernel else None
+        backend = self._encode_backend()
         assert self._rotation is not None
         signs = self._rotation.sylvester_inverse_signs()
         if not self.rotation_in_encode or keys.ndim != 4 or not rotation_fusable(backend, signs, keys.shape[-1]):
