@@ -187,7 +187,9 @@ _CALIBRATED: dict[str, Any] = {}
 
 
 def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
-    """`config` with key_widths=calibrated measured on the benchmark's model (1,024 seeded random tokens), once."""
+    """`config` with key_widths=calibrated measured on the benchmark's model (1,024 seeded random tokens), once; a
+    tool that times caches without a model of its own (decode_profile.py, gpu kernels alone) gets one of `shape`
+    built here."""
     import numpy as np
 
     from engine.kvcache import KVCacheBuilder
@@ -195,7 +197,7 @@ def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
     text = config.to_json()
     if text not in _CALIBRATED:
         if not _CALIBRATION_MODEL:
-            raise ValueError("key_widths=calibrated needs the benchmark's model (set by run).")
+            _CALIBRATION_MODEL[:] = [build_model(shape)]
         tokens = np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
         _CALIBRATED[text] = KVCacheBuilder(config).for_model(_CALIBRATION_MODEL[0], calibration_tokens=tokens).config
     return _CALIBRATED[text]

@@ -9,7 +9,7 @@ as it is and for variants of its body with one part removed by text substitution
 their time matters):
 
     full        the kernel as shipped
-    no_stage    no global loads of the tile (shared memory keeps stale values)
+    no_stage    the tile neither loaded nor staged (the phases read stale shared memory)
     no_scores   phase 1 (key codes x query) skipped
     no_softmax  phase 2 skipped
     no_values   phase 3 (weights x value codes) skipped
@@ -39,14 +39,13 @@ DEFAULT_SPEC = "kivi:k4v4:g64:s4:key_block=128:rotate_values=true"
 VARIANTS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("full", ()),
     ("no_stage", (
-        ("for (int i = TID; i < D * KW; i += NT) sh_kw", "for (int i = TID; i < 0; i += NT) sh_kw"),
-        ("for (int i = TID; i < CT * VWT; i += NT) {", "for (int i = TID; i < 0; i += NT) {"),
-        ("for (int i = TID; i < CT * VG; i += NT) {", "for (int i = TID; i < 0; i += NT) {"),
-        ("for (int d = TID; d < D; d += NT) {\n        const float ks", "for (int d = TID; d < 0; d += NT) {\n        const float ks"),
+        ("if (PF && comp_tiles > 0) STAGE_LOAD(c_begin);", ""),
+        ("if (!PF) STAGE_LOAD(base);\n      STAGE_STORE();\n      if (PF && tile + 1 < comp_tiles) STAGE_LOAD(base + CT);",
+         ""),
     )),
+    # Every form of phase 1 (keys before RoPE, key widths, plain) skipped: the chain's first test always holds.
     ("no_scores", (
-        ("for (int d = half * DH; d < half * DH + DH; ++d) {\n        U32 code",
-         "for (int d = half * DH; d < half * DH; ++d) {\n        U32 code"),
+        ("      if (ROPE) {\n        // Keys stored before RoPE", "      if (true) {} else if (ROPE) {\n        // Keys stored before RoPE"),
     )),
     ("no_softmax", (("for (int r = wid; r < R; r += NW) {", "for (int r = wid; r < 0; r += NW) {"),)),
     ("no_values", (("if (!dense) {\n      const int vbit", "if (false) {\n      const int vbit"),)),
@@ -103,8 +102,11 @@ def measure(spec: str, context: int, shape: dict[str, Any], repeats: int, backen
     results: list[dict[str, Any]] = []
     for name, cuts in VARIANTS:
         source = dataclasses.replace(base, name=f"{base.name}_{name}", body=variant_body(base.body, cuts))
-        attend = kernel(source, backend)
-        variant_plans = [dataclasses.replace(p, attend=attend) for p in plans]
+        # A plan whose constants are compiled into its source (decode.PLAN_CONSTANTS_IN_SOURCE, no template) gets
+        # them as its own source does: a kernel per distinct set (the wide layers' differ)
+        variant_plans = [dataclasses.replace(p, attend=kernel(dataclasses.replace(
+            source, defines="".join(f"constexpr int {n} = {int(v)};\n" for n, v in p.constants) + source.defines)
+            if not p.template else source, backend)) for p in plans]
 
         def run(variant_plans: list[Any] = variant_plans) -> list[Any]:
             return [
@@ -145,6 +147,11 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--backend", default="cuda", help="cuda or metal (emulate: a CPU check of the script)")
     args = parser.parse_args()
+    if args.backend == "emulate":  # the caches plan their kernels for the emulator, as the emulation tests do
+        from engine.kvcache import kernels
+        from engine.kvcache.kernels.emulate import EMULATE
+
+        kernels.available_backend = lambda: EMULATE
     rows: list[dict[str, Any]] = []
     for context in (int(c) for c in args.contexts.split(",")):
         rows += measure(args.spec, context, SHAPES[args.shape], args.repeats, args.backend)

@@ -97,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import decode
 
     shape = decode.SHAPES[args.shape]
-    if "key_widths=calibrated" in args.specs:  # measured on the benchmark's model, as decode.py does
-        decode._CALIBRATION_MODEL[:] = [decode.build_model(shape)]
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         for spec in [s for s in args.specs.split(",") if s]:

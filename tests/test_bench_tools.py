@@ -1,11 +1,13 @@
 """The GPU profiling scripts' own logic, on the CPU: benchmarks/launch_count.py counts a recorded step's operations
-by primitive from MLX's DOT export, and benchmarks/update_profile.py splits a one-token update into its parts."""
+by primitive from MLX's DOT export, benchmarks/update_profile.py splits a one-token update into its parts, and
+benchmarks/gpu_timeline.py sums the GPU's kernel record per step."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from benchmarks import decode
+from benchmarks.gpu_timeline import busy_time, short_name, summarize
 from benchmarks.launch_count import count_operations, step_operations
 from benchmarks.update_profile import profile
 
@@ -44,3 +46,31 @@ def test_update_profile_times_the_direct_encode_only_where_a_cache_has_it() -> N
     assert rows["turboquant:k4v4:g64"]["arrays_appended"] == 4
     kivi = rows["kivi:k4v4:g64:s4:key_block=128:rotate_values=true"]
     assert "transform" in kivi and "encode" not in kivi
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals() -> None:
+    """Overlapping kernels (several streams) count once, gaps not at all, in any order of the record."""
+    events = [("b", 5.0, 8.0), ("a", 0.0, 4.0), ("c", 3.0, 6.0), ("d", 10.0, 11.0)]
+    assert busy_time(events) == 9.0  # [0, 8] and [10, 11]
+    assert busy_time([]) == 0.0
+
+
+def test_kernel_names_are_shortened_to_the_function_and_velox_kernels_to_their_source() -> None:
+    assert short_name("void mlx::core::cu::qmv_kernel<__nv_bfloat16, 4, 64>(const float*, int)") == "qmv_kernel"
+    assert short_name("custom_kernel_velox_decode_tiled_kivi_affine_128_4_bfloat16") == "velox_decode_tiled_kivi_affine"
+    assert short_name("custom_kernel_velox_decode_merge") == "velox_decode_merge"
+    assert short_name("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn") == "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn"
+
+
+def test_a_timeline_summary_is_per_step_and_ranks_kernels_by_time() -> None:
+    """Two steps of 10 ms wall each (20 ms host time in all): kernel time and calls are halved, idle is wall less
+    busy, and the kernel with the most time comes first."""
+    events = [("void mlx::core::cu::rms_norm<float>(float*)", 0.0, 1000.0),
+              ("custom_kernel_velox_decode_merge", 1000.0, 1500.0),
+              ("void mlx::core::cu::rms_norm<float>(float*)", 10000.0, 12000.0),
+              ("custom_kernel_velox_decode_merge", 12000.0, 12500.0)]
+    summary = summarize(events, steps=2, wall_s=0.020)
+    assert summary["wall_ms"] == 10.0 and summary["busy_ms"] == 2.0 and summary["idle_ms"] == 8.0
+    assert summary["kernels"] == 2.0
+    assert list(summary["by_kernel"]) == ["rms_norm", "velox_decode_merge"]
+    assert summary["by_kernel"]["rms_norm"] == {"calls": 1.0, "ms": 1.5}
