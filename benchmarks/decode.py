@@ -129,22 +129,22 @@ def read_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float:
 
 
 def set_kernel_constants(constants: dict[str, Any]) -> dict[str, Any]:
-    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize, .encode, .kivi_encode or .rotate,
+    """Sets constants of engine.kvcache.kernels.decode (or, failing that, .dequantize, .encode or .kivi_encode,
     e.g. KIVI_ENCODE_BACKENDS=["cuda"], of the caches' engine.kvcache.base, e.g. PREFILL_AHEAD_CHUNKS, or of
     engine.kvcache.quant.fused, COMPILE_ENCODE) by name; returns their previous values."""
     from engine.kvcache import base as cache_base
     from engine.kvcache.kernels import decode as decode_kernels
     from engine.kvcache.kernels import dequantize as dequantize_kernels
     from engine.kvcache.kernels import encode as encode_kernels
-    from engine.kvcache.kernels import kivi_encode, rotate
+    from engine.kvcache.kernels import kivi_encode
     from engine.kvcache.quant import fused
 
     previous = {}
-    modules = (decode_kernels, dequantize_kernels, encode_kernels, kivi_encode, rotate, cache_base, fused)
+    modules = (decode_kernels, dequantize_kernels, encode_kernels, kivi_encode, cache_base, fused)
     for name, value in constants.items():
         module = next((m for m in modules if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize, .encode, .kivi_encode, .rotate, engine.kvcache.base and "
+            raise SystemExit(f"engine.kvcache.kernels.decode, .dequantize, .encode, .kivi_encode, engine.kvcache.base and "
                              f"engine.kvcache.quant.fused have no constant {name!r}")
         previous[name] = getattr(module, name)
         setattr(module, name, value)

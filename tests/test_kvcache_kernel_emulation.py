@@ -298,60 +298,6 @@ def test_emulated_encode_kernel_matches_reference(spec: str, head_dim: int) -> N
     _assert_encoded_alike(fused, reference)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_emulated_rotation_kernel_matches_mlx_rotation(head_dim: int) -> None:
-    """kernels/rotate.py's one-launch rotation against the Rotation's MLX transform: float32 out within float
-    rounding (the butterflies sum in another order), bfloat16 out the same values but for a coordinate within float
-    rounding of a bfloat16 step (at most 1 in 1,000, and then by one step); 37 tokens of 2 heads leave the last
-    threadgroup part-empty, and bfloat16 input is read as the model gives it."""
-    from engine.kvcache.kernels.rotate import hadamard_rotate
-    from engine.kvcache.quant.rotation import make_rotation
-
-    rotation = make_rotation(head_dim, 11, "hadamard")
-    signs = rotation.sylvester_inverse_signs()
-    x = mx.array(np.random.default_rng(head_dim).standard_normal((1, 2, 37, head_dim), dtype=np.float32)) * 3.0
-    for given in (x, x.astype(mx.bfloat16)):
-        expected = rotation.forward(given)
-        got = hadamard_rotate(given, signs, mx.float32, EMULATE)
-        assert got.dtype == mx.float32 and got.shape == given.shape
-        assert float(mx.max(mx.abs(got - expected))) <= 1e-5 * float(mx.max(mx.abs(expected)))
-        rounded = hadamard_rotate(given, signs, mx.bfloat16, EMULATE)
-        reference = expected.astype(mx.bfloat16)
-        assert rounded.dtype == mx.bfloat16
-        assert float(mx.mean((rounded != reference).astype(mx.float32))) <= 1e-3
-        step = mx.abs(reference.astype(mx.float32)) * 2.0**-7 + 1e-30
-        assert bool(mx.all(mx.abs(rounded.astype(mx.float32) - reference.astype(mx.float32)) <= step))
-
-
-@pytest.mark.usefixtures("emulated")
-@pytest.mark.parametrize("admitted", [True, False])
-def test_rotations_of_a_decode_step_take_one_launch_where_admitted(admitted: bool,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels/rotate.ROTATE_BACKENDS: a KIVI level's new value and a rotated method's query are rotated by the
-    one-launch kernel where the backend is admitted (no Rotation.forward in the step), through MLX elsewhere; the
-    attention after either is the reference path's."""
-    from engine.kvcache.kernels import rotate
-    from engine.kvcache.quant.rotation import Rotation
-
-    monkeypatch.setattr(rotate, "ROTATE_BACKENDS", ("emulate",) if admitted else ())
-    calls = []
-    forward = Rotation.forward
-    monkeypatch.setattr(Rotation, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
-    for spec in ("kivi:k4v4:g64:s4:key_block=128:rotate_values=true", "turboquant:k4v4:g64"):
-        cache = _filled(spec, 300, 128, 4, seed=12)
-        rng = np.random.default_rng(5)
-        token = mx.array(rng.standard_normal((1, N_KV, 1, 128), dtype=np.float32)).astype(mx.bfloat16)
-        queries = mx.array(rng.standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32)).astype(mx.bfloat16)
-        calls.clear()
-        cache.update_and_fetch(token, token)
-        out = cache.attention(queries, None, None, scale=0.088, mask=None)
-        assert (len(calls) == 0) == admitted, (spec, calls)
-        expected = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
-        assert out.dtype == queries.dtype
-        error = float(mx.max(mx.abs(out.astype(mx.float32) - expected.astype(mx.float32))))
-        assert error <= 1.6e-2 * max(1.0, float(mx.max(mx.abs(expected.astype(mx.float32))))), (spec, error)
-
-
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("spec,head_dim", [("turboquant:k4v4:g64", 128), ("turboquant:k3v3:g64", 64),
                                            ("rvq:k2v2:g64", 256), ("rvq:k4v4:g64", 32),

@@ -42,7 +42,6 @@ from engine.kvcache.kernels.dequantize import (
 )
 from engine.kvcache.kernels.encode import SIGN_PACK_SOURCE, encode_source, sketch_signs_packed
 from engine.kvcache.kernels.kivi_encode import encode_source as kivi_encode_source
-from engine.kvcache.kernels.rotate import ROTATE_SOURCE
 from tests.kvcache_helpers import (
     filled_then_stepped,
     kivi_chunk,
@@ -67,7 +66,7 @@ CODEC_PAIRS = (
 )
 ALL_SOURCES = (
     MERGE_SOURCE, tiled_source(), encode_source(1), encode_source(2), encode_source(1, sketch=True), encode_source(0, sketch=True),
-    encode_source(1, rotate=True), encode_source(2, rotate=True), encode_source(1, sketch=True, rotate=True), ROTATE_SOURCE,
+    encode_source(1, rotate=True), encode_source(2, rotate=True), encode_source(1, sketch=True, rotate=True),
     *(attend_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v) for k, v in CODEC_PAIRS),
     *(dequantize_source(k, v, proj=True) for k, v in CODEC_PAIRS if k.kind in ("prod", "qjl")), SIGNS_SOURCE,
@@ -198,8 +197,6 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                     {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                     {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 64, "CT": 64, "U": 2, "CS": 4, "NS": 4,
                                      "HW": 1, "TD": mx.bfloat16}))
-    units.append(_cuda_unit(ROTATE_SOURCE, {"xin": mx.bfloat16, "rsign": mx.float32, "rscale": mx.float32},
-                            {"out": mx.bfloat16}, {"D": 128, "NT": 128, "TO": mx.bfloat16}))
     for stages, rotate in ((1, False), (2, False), (2, True)):  # and the rotation applied in the kernel (ROTATE)
         source = encode_source(stages, rotate=rotate)
         names = source.input_names + source.output_names
@@ -742,35 +739,6 @@ def test_codebook_encode_kernel_matches_reference(method: str, bits: int, monkey
         reference = {**cache._encode_role(rotated, "key"), **cache._encode_role(rotated, "value")}
         mx.eval(reference)
     _assert_encoded_alike_on_the_gpu(fused, reference)
-
-
-@needs_gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_rotation_kernel_matches_mlx_rotation_on_the_gpu(head_dim: int) -> None:
-    """kernels/rotate.py on this GPU against the Rotation's MLX transform on the CPU: bfloat16 vectors (777 tokens of
-    8 heads, as a prefill chunk; 1 token, as a decode step), float32 out within float rounding, bfloat16 out equal
-    but for a coordinate within float rounding of a bfloat16 step (at most 1 in 1,000, by one step)."""
-    from engine.kvcache.kernels.rotate import hadamard_rotate
-    from engine.kvcache.quant.rotation import make_rotation
-
-    rotation = make_rotation(head_dim, 3, "hadamard")
-    signs = rotation.sylvester_inverse_signs()
-    rng = np.random.default_rng(head_dim)
-    for tokens in (777, 1):
-        x = (mx.array(rng.standard_normal((1, 8, tokens, head_dim), dtype=np.float32)) * 3.0).astype(mx.bfloat16)
-        mx.eval(x)
-        with mx.stream(mx.cpu):
-            expected = rotation.forward(x)
-            reference = expected.astype(mx.bfloat16)
-            mx.eval(expected, reference)
-        got = hadamard_rotate(x, signs, mx.float32, available_backend())
-        rounded = hadamard_rotate(x, signs, mx.bfloat16, available_backend())
-        mx.eval(got, rounded)
-        assert float(mx.max(mx.abs(got - expected))) <= 1e-5 * float(mx.max(mx.abs(expected)))
-        assert rounded.dtype == mx.bfloat16
-        assert float(mx.mean((rounded != reference).astype(mx.float32))) <= 1e-3
-        step = mx.abs(reference.astype(mx.float32)) * 2.0**-7 + 1e-30
-        assert bool(mx.all(mx.abs(rounded.astype(mx.float32) - reference.astype(mx.float32)) <= step))
 
 
 @needs_gpu

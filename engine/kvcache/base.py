@@ -676,7 +676,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
     def _stored_in(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """New tokens as every part of the cache stores them: transformed (`_keys_in`, `_values_in`) and in the
-        16-bit dtype. A method may do both in one launch (KIVI's value rotation, kernels/rotate.py)."""
+        16-bit dtype."""
         dense_dtype = self._dense_dtype
         return self._keys_in(keys).astype(dense_dtype), self._values_in(values).astype(dense_dtype)
 

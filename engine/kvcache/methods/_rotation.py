@@ -13,21 +13,10 @@ from typing import ClassVar
 import mlx.core as mx
 
 from engine.errors import ConfigError
-from engine.kvcache import kernels as _kernels
 from engine.kvcache.config import KVCacheConfig
-from engine.kvcache.kernels.rotate import hadamard_rotate, rotate_takes
 from engine.kvcache.quant.rotation import Rotation, make_rotation
 
 ROTATION_KINDS = ("hadamard", "orthogonal")
-
-
-def rotation_kernel_backend(config: KVCacheConfig, signs: mx.array | None, x: mx.array) -> str | None:
-    """The backend kernels/rotate.py rotates `x` [B, H, n, D] on for a cache of `config`, or None: kernels off,
-    the backend not in rotate.ROTATE_BACKENDS, or a rotation no warp applies (`signs`: its Sylvester signs, or None)."""
-    if config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE) == "off" or x.ndim != 4:
-        return None
-    backend = _kernels.available_backend()
-    return backend if rotate_takes(backend, signs, x.shape[-1]) else None
 
 
 def rotation_arrays(rotation: Rotation) -> list[mx.array]:
@@ -91,12 +80,6 @@ class RotationMixin:
         return self._rotation.forward(values)
 
     def _queries_in(self, queries: mx.array) -> mx.array:
-        # One launch where kernels/rotate.py runs (MLX's rotation of a decode step's query is three: the cast the
-        # product with float32 signs brings, the product, the transform); float32 either way.
-        signs = self._rotation.sylvester_inverse_signs()
-        backend = rotation_kernel_backend(self.config, signs, queries)
-        if backend is not None:
-            return hadamard_rotate(queries, signs, mx.float32, backend)
         return self._rotation.forward(queries)
 
     def _output_out(self, output: mx.array) -> mx.array:

@@ -139,8 +139,7 @@ from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig
 from engine.kvcache.kernels import Codec
 from engine.kvcache.kernels.kivi_encode import kivi_encode
 from engine.kvcache.kernels.kivi_encode import supported as kivi_encode_supported
-from engine.kvcache.kernels.rotate import hadamard_rotate
-from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays, rotation_kernel_backend
+from engine.kvcache.methods._rotation import ROTATION_KINDS, rotation_arrays
 from engine.kvcache.methods.affine import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -732,17 +731,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     # Values live rotated in the cache (sinks and window too), so attention's output is in the rotated space.
     def _values_in(self, values: mx.array) -> mx.array:
         return values if self._value_rotation is None else self._value_rotation.forward(values)
-
-    def _stored_in(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The value rotation and the cast to 16 bits in one launch where kernels/rotate.py runs (a decode step
-        stores each layer's new token: four MLX launches otherwise)."""
-        rotation = self._value_rotation
-        signs = rotation.sylvester_inverse_signs() if isinstance(rotation, Rotation) else None
-        backend = rotation_kernel_backend(self.config, signs, values)
-        if backend is None:
-            return super()._stored_in(keys, values)
-        return (self._keys_in(keys).astype(self._dense_dtype),
-                hadamard_rotate(values, signs, self._dense_dtype, backend))
 
     def _output_out(self, output: mx.array) -> mx.array:
         return output if self._value_rotation is None else self._value_rotation.inverse(output)

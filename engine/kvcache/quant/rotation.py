@@ -141,8 +141,9 @@ class Rotation:
         """y = R x on the last axis (float32)."""
         if self.kind == "hadamard" and x.dtype in (mx.float16, mx.bfloat16, mx.float32):
             # The product with the float32 signs promotes a 16-bit input (MLX records that cast itself, before the
-            # product: launch-count-h200.json), so no cast of our own is added. A decode step's rotation is still
-            # four launches with the caller's cast back; kernels/rotate.py does them in one.
+            # product: launch-count-h200.json), so no cast of our own is added. A decode step's rotation is four
+            # launches with the caller's cast back; one kernel launch for them timed no faster on an H200
+            # (BENCHMARKS.md, round 24).
             self._check_shape(x)
             return self._hadamard_forward(x)
         x = self._check(x)
