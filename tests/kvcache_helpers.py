@@ -328,3 +328,46 @@ def mma_gemm(a, b, backend: str):  # noqa: ANN001, ANN201 - mx arrays
         inputs=[a, b], template=[("K", int(a.shape[1])), ("NW", warps)], grid=(warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1), output_shapes=[(16, warps * 8)], output_dtypes=[mx.float32])
     return c
+
+
+# The register-fragment form (MMA_FRAG_16X8X16, CUDA and the emulator) checked on its own: C [16, 8] = A [16, 16]·B
+# [16, 8], each lane building its fragments from A and B in device memory by the instruction's layout (BF16_PAIR
+# rounds them), then one call, then its four accumulator entries written where the layout puts them.
+MMA_FRAG_BODY = """
+  const int lane = TID % 32, g = lane / 4, t = lane % 4;
+  const U32 a0 = BF16_PAIR(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]);
+  const U32 a1 = BF16_PAIR(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]);
+  const U32 a2 = BF16_PAIR(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]);
+  const U32 a3 = BF16_PAIR(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9]);
+  const U32 b0 = BF16_PAIR(b[(2 * t) * 8 + g], b[(2 * t + 1) * 8 + g]);
+  const U32 b1 = BF16_PAIR(b[(2 * t + 8) * 8 + g], b[(2 * t + 9) * 8 + g]);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  MMA_FRAG_16X8X16(acc, a0, a1, a2, a3, b0, b1);
+  c[g * 8 + 2 * t] = acc[0];
+  c[g * 8 + 2 * t + 1] = acc[1];
+  c[(g + 8) * 8 + 2 * t] = acc[2];
+  c[(g + 8) * 8 + 2 * t + 1] = acc[3];
+  for (int i = 0; i < 4; ++i) {   // the eight entries of A this lane packed, each rounded alone
+    const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+    r[row * 16 + col] = BF16_ROUND(a[row * 16 + col]);
+    r[row * 16 + col + 1] = BF16_ROUND(a[row * 16 + col + 1]);
+  }
+"""
+
+
+def mma_frag_source():  # noqa: ANN201 - KernelSource
+    from engine.kvcache.kernels.backend import KernelSource
+
+    return KernelSource(name="velox_mma_frag_check", input_names=("a", "b"), output_names=("c", "r"),
+                        body=MMA_FRAG_BODY, matrix_ops=True)
+
+
+def mma_frag(a, b, backend: str):  # noqa: ANN001, ANN201 - mx arrays
+    """(A·B through MMA_FRAG_16X8X16 on `backend`, BF16_ROUND of every entry of A) for A [16, 16] and B [16, 8]
+    float32."""
+    from engine.kvcache.kernels.backend import kernel
+
+    c, r = kernel(mma_frag_source(), backend)(
+        inputs=[a, b], template=[], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(16, 8), (16, 16)], output_dtypes=[mx.float32, mx.float32])
+    return c, r

@@ -655,8 +655,14 @@ _TILED_BODY = """
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
   SHARED float sh_vb[CT * VG];       // ... and biases
-  // Partial scores, part h of row r and token t at S_AT(h, r, t); after the tile loop, the token groups' outputs.
-  SHARED float sh_s[NH * SS > NSG * D ? NH * SS : NSG * D];
+  // Partial scores, part h of row r and token t at S_AT(h, r, t); after the tile loop, the token groups' outputs
+  // (and, VMMA, the matrix units' part: one row more).
+#if VMMA
+  constexpr int NOUT = NSG + 1;
+#else
+  constexpr int NOUT = NSG;
+#endif
+  SHARED float sh_s[NH * SS > NOUT * D ? NH * SS : NOUT * D];
   SHARED float sh_p[CT * R];         // the tile's softmax weights, token-major (phase 3 reads a token's R at once)
   SHARED float sh_m[R];
   SHARED float sh_l[R];
@@ -692,6 +698,21 @@ _TILED_BODY = """
   }
   const int t1 = TID % CT;       // phase 1: this thread's token in the tile
   const int half = TID / CT;     // ... and its share of the channels
+#if VMMA
+  // Phase 3 of compressed tiles on the matrix units (decode.VALUE_MMA_BACKENDS; CUDA's register fragments, so never in
+  // a Metal source). Warp w owns channels [32w, 32w + 32) as four n-blocks of 8 columns; lane (g, t) = (l / 4, l % 4)
+  // accumulates row g (a query row where g < R) at columns 2t, 2t + 1 of each n-block (vacc[nb][0..1]; [2..3] are
+  // rows g + 8, whose A rows are zero), and row g's share of the value biases over its tokens (the four lanes of a row
+  // add theirs at the end). Where a code was ~11 instructions a token for R = 4 rows, here it is its unpacking.
+  static_assert(D == 32 * (NT / 32) && G % 32 == 0 && 32 % VB == 0 && VB <= 4 && R <= 8 && CT % 16 == 0 && !VGRID,
+                "phase 3 on the matrix units: 32 channels a warp in one value group, 2- or 4-bit codes, R <= 8");
+  const int mw = TID / 32, mg = (TID % 32) / 4, mt = TID % 4;
+  const int mvg = (32 * mw) / G;    // the value group of the warp's channels
+  float vacc[4][4];
+  for (int vnb = 0; vnb < 4; ++vnb)
+    for (int i = 0; i < 4; ++i) vacc[vnb][i] = 0.0f;
+  float vbias_part = 0.0f;
+#endif
 
   // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
   // KCLS: the classes' rows hold D x CT x KMEAN / 32 words a tile (their widths average the layer's key bits, KMEAN,
@@ -1092,7 +1113,52 @@ _TILED_BODY = """
       o_bias[r] *= corr;
       for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
     }
+#if VMMA
+    {
+      const float corr = sh_corr[mg < R ? mg : 0];
+      vbias_part *= corr;
+      for (int vnb = 0; vnb < 4; ++vnb) { vacc[vnb][0] *= corr; vacc[vnb][1] *= corr; }
+    }
+#endif
     if (!dense) {
+#if VMMA
+      // A k-block is 16 tokens. B: the codes of tokens 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) at the lane's channel,
+      // each read as 1 + code/2^VB (exact in bfloat16: 0x3F80 | code << (7 - VB)). A: row g's weights x each token's
+      // value scale (staged x 2^VB, STAGE_STORE) in two bfloat16 parts, the rounded value and what rounding left,
+      // so the products keep float precision (the rounded value alone: 2^-9 of each weight).
+#pragma unroll
+      for (int vkb = 0; vkb < CT / 16; ++vkb) {
+        const int vt0 = 16 * vkb + 2 * mt;
+        float hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tk = vt0 + (i & 1) + 8 * (i >> 1);
+          const float p = (mg < R) ? sh_p[tk * R + (mg < R ? mg : 0)] : 0.0f;
+          const float a = p * sh_vs[tk * VG + mvg];
+          vbias_part += p * sh_vb[tk * VG + mvg];
+          hi[i] = BF16_ROUND(a);
+          lo[i] = a - hi[i];
+        }
+        const U32 ah0 = BF16_PAIR(hi[0], hi[1]), ah2 = BF16_PAIR(hi[2], hi[3]);
+        const U32 al0 = BF16_PAIR(lo[0], lo[1]), al2 = BF16_PAIR(lo[2], lo[3]);
+#pragma unroll
+        for (int vnb = 0; vnb < 4; ++vnb) {
+          const int cbit = (32 * mw + 8 * vnb + mg) * VB;   // 32 % VB == 0: a code never straddles two words
+          const int vcw = cbit >> 5;
+          const int vcs = cbit & 31;
+          U32 bx[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tk = vt0 + (i & 1) + 8 * (i >> 1);
+            bx[i] = 0x3F80u | (((sh_vw[tk * VWT + vcw] >> vcs) & ((1u << VB) - 1u)) << (7 - VB));
+          }
+          const U32 b0 = bx[0] | (bx[1] << 16);
+          const U32 b1 = bx[2] | (bx[3] << 16);
+          MMA_FRAG_16X8X16(vacc[vnb], ah0, 0u, ah2, 0u, b0, b1);
+          MMA_FRAG_16X8X16(vacc[vnb], al0, 0u, al2, 0u, b0, b1);
+        }
+      }
+#else
       const int vbit = lane * 8 * VB;
       const int vw = vbit >> 5;
       const int vsh = vbit & 31;
@@ -1125,6 +1191,7 @@ _TILED_BODY = """
           for (int i = 0; i < 8; ++i) o_acc[r][i] += ps * x[i];
         }
       }
+#endif
     } else {
       for (int j = 0; j < TPG; ++j) {
         const int t = tg + j * NSG;
@@ -1145,14 +1212,28 @@ _TILED_BODY = """
   // The NSG token groups share one running max (block-uniform): their outputs just add up.
   // Into sh_s (no phase reads it after the loop's last barrier): one array fewer within a threadgroup's 32 KB.
   const long split_row = ((long)bh * GROUPS_X + GROUP_X) * R;
+#if VMMA
+  vbias_part += LANE_XOR(vbias_part, 1);   // the four lanes of row g
+  vbias_part += LANE_XOR(vbias_part, 2);
+#endif
 #pragma unroll
   for (int r = 0; r < R; ++r) {   // unrolled: o_acc[r] stays in registers (a runtime index puts it in memory)
     BARRIER();
     for (int i = 0; i < 8; ++i) sh_s[tg * D + lane * 8 + i] = o_acc[r][i] + o_bias[r];
+#if VMMA
+    if (mg == r) {   // the matrix units' part of row r, in row NSG
+#pragma unroll
+      for (int vnb = 0; vnb < 4; ++vnb) {
+        const int c = 32 * mw + 8 * vnb + 2 * mt;
+        sh_s[NSG * D + c] = vacc[vnb][0] + vbias_part;
+        sh_s[NSG * D + c + 1] = vacc[vnb][1] + vbias_part;
+      }
+    }
+#endif
     BARRIER();
     for (int d = TID; d < D; d += NT) {
       float acc = 0.0f;
-      for (int g = 0; g < NSG; ++g) acc += sh_s[g * D + d];
+      for (int g = 0; g < NOUT; ++g) acc += sh_s[g * D + d];
       part_o[(split_row + r) * D + d] = acc;
     }
     if (TID == 0) {
@@ -1431,6 +1512,26 @@ WIDTH_UNIFORM_RUNS = False
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
 
+# Backends where the tiled pass weights the compressed tiles' values on the matrix units (`value_mma`): CUDA's
+# register-fragment mma.sync (the dialect's MMA_FRAG_16X8X16), which Metal's simdgroup matrices have no form of, so
+# never "metal". The emulator runs it for the parity tests; CUDA joins once a GPU parity run and a timing admit it.
+VALUE_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
+
+
+def value_mma(value: Codec, head_dim: int, rows: int, threads: int, tile: int, group_size: int,
+              backend: str | None) -> bool:
+    """Whether the tiled pass's phase 3 runs on the matrix units for this plan: admitted on `backend`
+    (VALUE_MMA_BACKENDS, never Metal), plain affine value codes of 2 or 4 bits (no grid), 32 channels a warp
+    within one value group, at most 8 query rows a kv head, and whole 16-token blocks a tile."""
+    return (backend in VALUE_MMA_BACKENDS and backend != "metal" and value.kind == "affine" and not value.grid
+            and value.bits in (2, 4) and head_dim == threads and head_dim % 32 == 0 and group_size % 32 == 0
+            and rows <= 8 and tile % 16 == 0)
+
+
+def with_value_mma(source: KernelSource) -> KernelSource:
+    """The tiled pass's source with phase 3 on the matrix units (`#define VMMA 1`: its code is not in other sources)."""
+    return replace(source, defines="#define VMMA 1\n" + source.defines, matrix_ops=True)
+
 
 @functools.cache
 def tiled_source() -> KernelSource:
@@ -1658,6 +1759,7 @@ class DecodePlan:
     threads: int
     target_groups: int
     sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
+    value_mma: bool = False  # the tiled pass weights the compressed values on the matrix units (`value_mma`)
 
 
 # The key widths' inputs of the kernels that read KIVI keys (the tiled pass, the history decode), after the others.
@@ -1781,6 +1883,9 @@ def plan_decode(
     if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
         source = staged_tables(source)
+    on_matrix_units = tiled is not None and value_mma(value_codec, head_dim, rows, threads, tile, group_size, backend)
+    if on_matrix_units:
+        source = with_value_mma(source)
     constants = tuple(template)
     if PLAN_CONSTANTS_IN_SOURCE:
         lines = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in constants)
@@ -1795,6 +1900,7 @@ def plan_decode(
         threads=threads,
         target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
         sketch=key_codec.kind in SKETCH_KINDS,
+        value_mma=on_matrix_units,
     )
 
 
