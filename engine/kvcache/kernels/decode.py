@@ -701,9 +701,10 @@ _TILED_BODY = """
 #if VMMA
   // Phase 3 of compressed tiles on the matrix units (decode.VALUE_MMA_BACKENDS; CUDA's register fragments, so never in
   // a Metal source). Warp w owns channels [32w, 32w + 32) as four n-blocks of 8 columns; lane (g, t) = (l / 4, l % 4)
-  // accumulates row g (a query row where g < R) at columns 2t, 2t + 1 of each n-block (vacc[nb][0..1]; [2..3] are
+  // accumulates row g (a query row where g < R) at columns 2t, 2t + 1 of each n-block (vacc[vnb][0..1]; [2..3] are
   // rows g + 8, whose A rows are zero), and row g's share of the value biases over its tokens (the four lanes of a row
-  // add theirs at the end). Where a code was ~11 instructions a token for R = 4 rows, here it is its unpacking.
+  // add theirs at the end). A code costs its unpacking into a fragment instead of R multiply-adds (~11 instructions
+  // a code at R = 4 in the form below, `kernel-instructions.json`).
   static_assert(D == 32 * (NT / 32) && G % 32 == 0 && 32 % VB == 0 && VB <= 4 && R <= 8 && CT % 16 == 0 && !VGRID,
                 "phase 3 on the matrix units: 32 channels a warp in one value group, 2- or 4-bit codes, R <= 8");
   const int mw = TID / 32, mg = (TID % 32) / 4, mt = TID % 4;
@@ -1522,7 +1523,9 @@ def value_mma(value: Codec, head_dim: int, rows: int, threads: int, tile: int, g
               backend: str | None) -> bool:
     """Whether the tiled pass's phase 3 runs on the matrix units for this plan: admitted on `backend`
     (VALUE_MMA_BACKENDS, never Metal), plain affine value codes of 2 or 4 bits (no grid), 32 channels a warp
-    within one value group, at most 8 query rows a kv head, and whole 16-token blocks a tile."""
+    within one value group, at most 8 query rows a kv head, and whole 16-token blocks a tile. Its one more row of
+    outputs in threadgroup memory (D floats) is outside `tiled_shared_bytes`, which sizes tiles for Metal's 32 KB:
+    CUDA, the only backend that takes it, gives a block 48 KB."""
     return (backend in VALUE_MMA_BACKENDS and backend != "metal" and value.kind == "affine" and not value.grid
             and value.bits in (2, 4) and head_dim == threads and head_dim % 32 == 0 and group_size % 32 == 0
             and rows <= 8 and tile % 16 == 0)

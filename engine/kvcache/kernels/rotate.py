@@ -37,6 +37,7 @@ WARP_HADAMARD = """
   }
 """
 
+
 def warp_rotatable(signs: mx.array | None, head_dim: int) -> bool:
     """Whether a warp rotates these vectors (`WARP_HADAMARD`): a Hadamard rotation in natural (Sylvester) order
     (`signs`: Rotation.sylvester_inverse_signs, None for any other) over D = 32 lanes times a power of two."""
