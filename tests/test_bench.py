@@ -775,6 +775,36 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(sketch[2], by_path[()]["prefill_tok_s"] / run_fp16)
     checked.append(sketch[0])
 
+    loop = re.search(r"In mlx-lm's own decode loop, the one the app runs, the GPU is the bound at long contexts: on an H200 "
+                     r"the 4-, 3- and\s+2-bit levels decoded at (\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× of the "
+                     r"16-bit cache's tokens per second at (\d\d),(\d\d\d) tokens and at\s+(\d\.\d\d)×, "
+                     r"(\d\.\d\d)× and (\d\.\d\d)× at (\d\d\d),(\d\d\d), where their decode kernel takes about twice "
+                     r"the time of cuDNN's attention over the\s+16-bit cache "
+                     r"\(`benchmarks/results/decode-loop-h200.json`, `gpu-timeline-groups-131073-h200.json`; "
+                     r"BENCHMARKS.md,\s+\*round 24\*\)\. That kernel is what issue 11's long-context targets now wait "
+                     r"on\.", section, re.S)
+    assert loop, "README no longer quotes the levels' speed in mlx-lm's decode loop"
+    loop_rows = json.loads((COMMITTED / "decode-loop-h200.json").read_text())["rows"]
+    quoted = iter(loop.groups())
+    for _ in range(2):
+        ratios = [next(quoted) for _ in range(3)]
+        context = int(next(quoted) + next(quoted))
+        levels = [r for r in loop_rows if r["context"] == context and r["spec"].startswith("kivi:")]
+        for key, text, row in zip(("4", "3", "2"), ratios, levels, strict=True):
+            _assert_gpu_level(row, key)
+            assert close(text, row["gen_vs_fp16"]), (context, key)
+    # "about twice": the 4-bit level's tiled pass and merge against fp16's attention, in mlx-lm's loop, both lengths
+    for name in ("gpu-timeline-groups-32769-h200.json", "gpu-timeline-groups-131073-h200.json"):
+        rows = json.loads((COMMITTED / name).read_text())["rows"]
+        fp16 = next(r for r in rows if r["spec"] == "fp16")["loop"]["by_kernel"]
+        level = next(r for r in rows if r["spec"].startswith("kivi:k4v4") and "kernel_constants" not in r)
+        _assert_gpu_level(level, "4")
+        kernels = level["loop"]["by_kernel"]
+        ours = sum(v["ms"] for k, v in kernels.items() if k.startswith(("velox_decode_tiled", "velox_decode_merge")))
+        theirs = sum(v["ms"] for k, v in fp16.items() if "sdpa" in k)
+        assert 1.8 <= ours / theirs <= 2.2, (name, ours, theirs)
+    checked.append(loop[0])
+
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
                        r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
                        r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "
