@@ -1,7 +1,7 @@
 """Compile the CUDA decode kernels offline with nvcc and print each one's registers, spills and shared memory.
 
     python benchmarks/kernel_resources.py [--arch sm_90a] [--head-dim 128] [--rows 4] [--show NAME]
-                                          [--instructions] [--out FILE]
+                                          [--only "LABEL;..."] [--instructions] [--out FILE]
 
 With --instructions (needs `cuobjdump`, on PATH or from the wheel `pip install nvidia-cuda-cuobjdump`) it also
 counts the machine instructions (SASS) of the tiled pass's tile loop, per stretch between its barriers: staging,
@@ -44,6 +44,7 @@ from engine.kvcache.kernels.decode import (  # noqa: E402
     tile_tokens,
     tiled_source,
     tiled_tile,
+    with_value_mma,
 )
 
 # A stand-in for "mlx/backend/cuda/device/utils.cuh": only what the wrapper and our bodies use.
@@ -180,6 +181,9 @@ def token_loop_counts(sass: list[str]) -> dict[str, Any]:
 # (label, key codec, value codec, group size, key block): the pairs the methods hand the decode kernel.
 PAIRS = (
     ("kivi 4 (app 4-bit level)", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
+    # phase 3 on the matrix units (decode.VALUE_MMA_BACKENDS), the 4-bit level's values and the 2-bit level's
+    ("kivi 4, value mma", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
+    ("kivi 2, value mma", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
     ("kivi 3", Codec("kivi_keys", 3), Codec("affine", 3), 64, 128),
     ("kivi 2", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
     ("kivi 2, key grid", Codec("kivi_keys", 2, grid=True), Codec("affine", 2), 64, 128),
@@ -211,13 +215,15 @@ PAIRS = (
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int,
-                uniform: bool = False, prefetch: bool = True, staged: bool = False) -> str:
+                uniform: bool = False, prefetch: bool = True, staged: bool = False, value_mma: bool = False) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     if staged:
         source = staged_tables(source)
+    if value_mma:
+        source = with_value_mma(source)
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
@@ -245,6 +251,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4, help="query heads per kv head (GQA)")
     parser.add_argument("--show", help="print the translation unit of the pair whose label starts with this")
+    parser.add_argument("--only", help="compile only the pairs whose labels are among these (separated by semicolons)")
     parser.add_argument("--instructions", action="store_true",
                         help="also count SASS instructions: the tiled pass's per phase, the per-subgroup pass's token "
                              "loop (needs cuobjdump and nvdisasm)")
@@ -253,8 +260,10 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows, uniform="uniform" in label,
-                                 prefetch="no prefetch" not in label, staged="staged tables" in label))
-             for label, k, v, g, kb in PAIRS]
+                                 prefetch="no prefetch" not in label, staged="staged tables" in label,
+                                 value_mma="value mma" in label))
+             for label, k, v, g, kb in PAIRS
+             if not args.only or label in {name.strip() for name in args.only.split(";")}]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},
                                 [("D", args.head_dim), ("R", args.rows), ("NM", max(32, args.head_dim)),
                                  ("MAXS", 256), ("ROT", 1), ("TO", "bfloat16")])))
