@@ -371,3 +371,50 @@ def mma_frag(a, b, backend: str):  # noqa: ANN001, ANN201 - mx arrays
         inputs=[a, b], template=[], grid=(32, 1, 1), threadgroup=(32, 1, 1),
         output_shapes=[(16, 8), (16, 16)], output_dtypes=[mx.float32, mx.float32])
     return c, r
+
+
+# LDMATRIX_X4_TRANS checked with the fragment op: B [16, 16] (rows k, columns n) rounded to bfloat16 and stored row by
+# row as pairs in shared memory (12 words a row: 16-byte aligned rows), read transposed into the B fragments of two
+# 8-column blocks by one call, then C [16, 16] = A·B by two MMA_FRAG_16X8X16.
+LDMATRIX_BODY = """
+  MMA_SHARED U32 tile[16 * 12];
+  const int lane = TID % 32, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 16 * 8; i += 32) {
+    const int row = i / 8, pair = i % 8;
+    tile[row * 12 + pair] = BF16_PAIR(b[row * 16 + 2 * pair], b[row * 16 + 2 * pair + 1]);
+  }
+  BARRIER();
+  const int m = lane / 8;
+  U32 r[4];
+  LDMATRIX_X4_TRANS(r, &tile[(8 * (m & 1) + lane % 8) * 12 + 4 * (m >> 1)]);
+  const U32 a0 = BF16_PAIR(a[g * 16 + 2 * t], a[g * 16 + 2 * t + 1]);
+  const U32 a1 = BF16_PAIR(a[(g + 8) * 16 + 2 * t], a[(g + 8) * 16 + 2 * t + 1]);
+  const U32 a2 = BF16_PAIR(a[g * 16 + 2 * t + 8], a[g * 16 + 2 * t + 9]);
+  const U32 a3 = BF16_PAIR(a[(g + 8) * 16 + 2 * t + 8], a[(g + 8) * 16 + 2 * t + 9]);
+  float left[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float right[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  MMA_FRAG_16X8X16(left, a0, a1, a2, a3, r[0], r[1]);
+  MMA_FRAG_16X8X16(right, a0, a1, a2, a3, r[2], r[3]);
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+    c[row * 16 + col] = left[i];
+    c[row * 16 + 8 + col] = right[i];
+  }
+"""
+
+
+def ldmatrix_source():  # noqa: ANN201 - KernelSource
+    from engine.kvcache.kernels.backend import KernelSource
+
+    return KernelSource(name="velox_ldmatrix_check", input_names=("a", "b"), output_names=("c",), body=LDMATRIX_BODY,
+                        matrix_ops=True)
+
+
+def ldmatrix_gemm(a, b, backend: str):  # noqa: ANN001, ANN201 - mx arrays
+    """A·B for A, B [16, 16] float32, B read into fragments by LDMATRIX_X4_TRANS on `backend`."""
+    from engine.kvcache.kernels.backend import kernel
+
+    (c,) = kernel(ldmatrix_source(), backend)(
+        inputs=[a, b], template=[], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(16, 16)], output_dtypes=[mx.float32])
+    return c

@@ -47,6 +47,7 @@ from tests.kvcache_helpers import (
     filled_then_stepped,
     kivi_chunk,
     kivi_group_errors,
+    ldmatrix_gemm,
     mma_frag,
     mma_gemm,
     mma_gemm_source,
@@ -481,6 +482,20 @@ def test_decode_kernel_weights_values_on_the_matrix_units(spec: tuple, tokens: i
         mx.eval(ref)
     error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
     assert np.isfinite(error) and error <= 2e-3, f"{spec} tokens={tokens} rows={repeats}: max abs err {error}"
+
+
+@needs_gpu
+def test_transposed_tile_read_gives_b_fragments_on_the_gpu() -> None:
+    """LDMATRIX_X4_TRANS on this GPU (CUDA's ldmatrix .trans; Metal has no register fragments): a 16×16 bfloat16 tile
+    stored by rows read into two 8-column blocks' B fragments, multiplied by the fragment op as A·B."""
+    if available_backend() != "cuda":
+        pytest.skip("register-fragment matrix ops are CUDA's (MSL has no register fragments)")
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((16, 16), dtype=np.float32)
+    b = rng.standard_normal((16, 16), dtype=np.float32)
+    got = np.array(ldmatrix_gemm(mx.array(a), mx.array(b), available_backend()))
+    bf16 = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)).astype(np.float64) for x in (a, b)]
+    np.testing.assert_allclose(got, bf16[0] @ bf16[1], rtol=1e-4, atol=1e-4)
 
 
 @needs_gpu

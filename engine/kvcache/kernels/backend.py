@@ -52,6 +52,11 @@ fragments, so a body uses these only in code a plan compiles for CUDA, behind a 
                    accumulator's rows g (c[0], c[1]) and g + 8 (c[2], c[3]) at columns 2t, 2t + 1
     BF16_ROUND(x)  float x rounded to the nearest bfloat16 (ties to even), as a float
     BF16_PAIR(lo, hi)  two floats rounded to bfloat16 in one U32, lo in the low half
+    LDMATRIX_X4_TRANS(r, p)   four 8×8 tiles of 16-bit values in shared memory, each row 16 bytes (8 values) at an
+                   address a lane gives (`p`, a const SHARED U32*, 16-byte aligned: lane l gives row l % 8 of tile
+                   l / 8), read transposed into fragments: lane l gets in r[m] (a U32) tile m's rows 2(l % 4) and
+                   2(l % 4) + 1 at column l / 4, the lower row in the low half (a B fragment's b0 or b1 where the
+                   tile's rows are k and its columns n)
 
 Both MLX front ends take `grid` as the total number of threads (Metal's dispatch_threads; MLX's CUDA
 launcher divides by the block size itself), so a launch is described once for both.
@@ -174,6 +179,12 @@ __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const unsigned*>(&v);
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const unsigned* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+}
+#define LDMATRIX_X4_TRANS(r, p) ldmatrix_x4_trans((r), (p))
 #define MMA_FRAG_16X8X16(c, a0, a1, a2, a3, b0, b1) mma_frag((c), (a0), (a1), (a2), (a3), (b0), (b1))
 #define BF16_ROUND(x) __bfloat162float(__float2bfloat16(x))
 #define BF16_PAIR(lo, hi) bf16_pair((lo), (hi))

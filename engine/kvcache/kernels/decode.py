@@ -703,8 +703,9 @@ _TILED_BODY = """
   // a Metal source). Warp w owns channels [32w, 32w + 32) as four n-blocks of 8 columns; lane (g, t) = (l / 4, l % 4)
   // accumulates row g (a query row where g < R) at columns 2t, 2t + 1 of each n-block (vacc[vnb][0..1]; [2..3] are
   // rows g + 8, whose A rows are zero), and row g's share of the value biases over its tokens (the four lanes of a row
-  // add theirs at the end). A code costs its unpacking into a fragment instead of R multiply-adds (~11 instructions
-  // a code at R = 4 in the form below, `kernel-instructions.json`).
+  // add theirs at the end). The tile's value codes are expanded once into bfloat16 (sh_vx) and read into fragments
+  // transposed (LDMATRIX_X4_TRANS), so a code costs a share of its expansion instead of R multiply-adds: phase 3's
+  // instructions a thread and tile 637 -> 374 at 4-bit values (sm_90a, kernel-resources-value-mma.json).
   static_assert(D == 32 * (NT / 32) && G % 32 == 0 && 32 % VB == 0 && VB <= 4 && R <= 8 && CT % 16 == 0 && !VGRID,
                 "phase 3 on the matrix units: 32 channels a warp in one value group, 2- or 4-bit codes, R <= 8");
   const int mw = TID / 32, mg = (TID % 32) / 4, mt = TID % 4;
@@ -713,6 +714,10 @@ _TILED_BODY = """
   for (int vnb = 0; vnb < 4; ++vnb)
     for (int i = 0; i < 4; ++i) vacc[vnb][i] = 0.0f;
   float vbias_part = 0.0f;
+  // The tile's value codes expanded once (phase 1's stretch) into bfloat16, 1 + code/2^VB, a token's row of D values
+  // as D/2 pairs and 4 words of padding: rows 16-byte aligned, and the 8 rows a transposed read takes on distinct banks.
+  constexpr int VXS = D / 2 + 4;
+  MMA_SHARED U32 sh_vx[CT * VXS];
 #endif
 
   // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
@@ -1053,6 +1058,23 @@ _TILED_BODY = """
       }
       for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
     }
+#if VMMA
+    if (!dense) {
+      // Each staged value word (32/VB channels of a token) into bfloat16 pairs: two codes a pair, the lower channel
+      // in the low half, each moved into the top of 1.0's mantissa (0x3F80 | code << (7 - VB)).
+      constexpr U32 VM = (1u << VB) - 1u;
+      for (int i = TID; i < CT * VWT; i += NT) {
+        const U32 word = sh_vw[i];
+        U32* row = &sh_vx[(i / VWT) * VXS + (i % VWT) * (16 / VB)];
+#pragma unroll
+        for (int j = 0; j < 16 / VB; ++j) {
+          const U32 c0 = (word >> (2 * j * VB)) & VM;
+          const U32 c1 = (word >> ((2 * j + 1) * VB)) & VM;
+          row[j] = 0x3F803F80u | (c0 << (7 - VB)) | (c1 << (23 - VB));
+        }
+      }
+    }
+#endif
     BARRIER();
     // Phase 2: warp r takes row r (and r + NW, ...): the keys' bias term, the tile's max and weights.
     const int wid = TID / 32;
@@ -1124,7 +1146,7 @@ _TILED_BODY = """
     if (!dense) {
 #if VMMA
       // A k-block is 16 tokens. B: the codes of tokens 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) at the lane's channel,
-      // each read as 1 + code/2^VB (exact in bfloat16: 0x3F80 | code << (7 - VB)). A: row g's weights x each token's
+      // read as 1 + code/2^VB (exact in bfloat16) from the expanded tile, transposed. A: row g's weights x each token's
       // value scale (staged x 2^VB, STAGE_STORE) in two bfloat16 parts, the rounded value and what rounding left,
       // so the products keep float precision (the rounded value alone: 2^-9 of each weight).
 #pragma unroll
@@ -1142,21 +1164,17 @@ _TILED_BODY = """
         }
         const U32 ah0 = BF16_PAIR(hi[0], hi[1]), ah2 = BF16_PAIR(hi[2], hi[3]);
         const U32 al0 = BF16_PAIR(lo[0], lo[1]), al2 = BF16_PAIR(lo[2], lo[3]);
+        // B of two n-blocks a read: lane l points at row l % 8 of tile l / 8 (tokens 16k + 8(tile & 1) + row,
+        // channels of n-block 2·pair + tile / 2), and gets b0, b1 of the first n-block, then of the second.
+        const int vm = (TID % 32) / 8;
 #pragma unroll
-        for (int vnb = 0; vnb < 4; ++vnb) {
-          const int cbit = (32 * mw + 8 * vnb + mg) * VB;   // 32 % VB == 0: a code never straddles two words
-          const int vcw = cbit >> 5;
-          const int vcs = cbit & 31;
-          U32 bx[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tk = vt0 + (i & 1) + 8 * (i >> 1);
-            bx[i] = 0x3F80u | (((sh_vw[tk * VWT + vcw] >> vcs) & ((1u << VB) - 1u)) << (7 - VB));
-          }
-          const U32 b0 = bx[0] | (bx[1] << 16);
-          const U32 b1 = bx[2] | (bx[3] << 16);
-          MMA_FRAG_16X8X16(vacc[vnb], ah0, 0u, ah2, 0u, b0, b1);
-          MMA_FRAG_16X8X16(vacc[vnb], al0, 0u, al2, 0u, b0, b1);
+        for (int vnp = 0; vnp < 2; ++vnp) {
+          U32 b[4];
+          LDMATRIX_X4_TRANS(b, &sh_vx[(16 * vkb + 8 * (vm & 1) + TID % 8) * VXS + 16 * mw + 4 * (2 * vnp + (vm >> 1))]);
+          MMA_FRAG_16X8X16(vacc[2 * vnp], ah0, 0u, ah2, 0u, b[0], b[1]);
+          MMA_FRAG_16X8X16(vacc[2 * vnp], al0, 0u, al2, 0u, b[0], b[1]);
+          MMA_FRAG_16X8X16(vacc[2 * vnp + 1], ah0, 0u, ah2, 0u, b[2], b[3]);
+          MMA_FRAG_16X8X16(vacc[2 * vnp + 1], al0, 0u, al2, 0u, b[2], b[3]);
         }
       }
 #else

@@ -176,6 +176,7 @@ inline float u2f(uint32_t c) {
 #define MMA_FRAG_16X8X16(c, a0, a1, a2, a3, b0, b1) emu::mma_frag((c), (a0), (a1), (a2), (a3), (b0), (b1), __LINE__)
 #define BF16_ROUND(x) emu::bf16_round(x)
 #define BF16_PAIR(lo, hi) emu::bf16_pair((lo), (hi))
+#define LDMATRIX_X4_TRANS(r, p) emu::ldmatrix_x4_trans((r), (p), __LINE__)
 namespace emu {
 struct MmaAcc { float v[128]; };
 inline float bf16_round(float x) {
@@ -229,6 +230,19 @@ inline void mma_frag(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a
     for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
     c[i] += sum;
   }
+}
+// LDMATRIX_X4_TRANS: the warp's row addresses gathered (one exchange), then each lane reads its four pairs.
+inline void ldmatrix_x4_trans(uint32_t* r, const uint32_t* p, int line) {
+  uint64_t rows[32];
+  gather((uint64_t)(uintptr_t)p, line, rows);
+  const int lane = block.tid & 31;
+  auto at = [&](int tile, int row, int col) {   // 16-bit value `col` of row `row` of tile `tile`
+    uint16_t half;
+    std::memcpy(&half, (const char*)(uintptr_t)rows[tile * 8 + row] + 2 * col, sizeof half);
+    return (uint32_t)half;
+  };
+  for (int m = 0; m < 4; ++m)
+    r[m] = at(m, 2 * (lane % 4), lane / 4) | (at(m, 2 * (lane % 4) + 1, lane / 4) << 16);
 }
 inline uint32_t bf16_pair(float lo, float hi) {
   return (as_u32(bf16_round(lo)) >> 16) | (as_u32(bf16_round(hi)) & 0xffff0000u);
