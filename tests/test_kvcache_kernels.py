@@ -33,6 +33,7 @@ from engine.kvcache.kernels.decode import (
     attend_source,
     staged_tables,
     tiled_source,
+    with_key_mma,
     with_value_mma,
 )
 from engine.kvcache.kernels.dequantize import (
@@ -213,8 +214,10 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     # and phase 3 on the matrix units (VMMA: the 4-bit level's layout, and 2-bit values before RoPE)
     for rope, outliers, classes, uniform, vmma, vbits in (
             (0, 0, 0, 0, 0, 4), (1, 0, 0, 0, 0, 4), (0, 1, 0, 0, 0, 4), (1, 1, 0, 0, 0, 4), (0, 1, 4, 0, 0, 4),
-            (0, 1, 4, 1, 0, 4), (1, 1, 4, 0, 0, 4), (0, 0, 4, 0, 1, 4), (1, 0, 4, 0, 1, 2)):
+            (0, 1, 4, 1, 0, 4), (1, 1, 4, 0, 0, 4), (0, 0, 4, 0, 1, 4), (1, 0, 4, 0, 1, 2), (0, 1, 4, 0, 2, 4)):
+        # vmma 2: phase 1 on the matrix units too (KMMA), with key widths and block outliers
         source = with_value_mma(tiled_source()) if vmma else tiled_source()
+        source = with_key_mma(source) if vmma == 2 else source
         units.append(_cuda_unit(source, _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
                                 | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32, "kout": mx.float16,
                                    "kidx": mx.uint8},
@@ -435,10 +438,11 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
         assert mx.array_equal(out, out_causal)
 
 
-def test_values_on_the_matrix_units_never_reach_a_metal_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode.value_mma: the register-fragment phase 3 is CUDA's (and the emulator's); even admitted by mistake, a Metal
-    plan keeps the pass every Apple GPU runs. Where it applies, only the layouts it reads (2- or 4-bit affine values
-    without a grid, 32 channels a warp in one value group, at most 8 rows, 16-token blocks)."""
+def test_the_matrix_units_never_reach_a_metal_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode.value_mma and key_mma: the register-fragment phases 3 and 1 are CUDA's (and the emulator's); even admitted
+    by mistake, a Metal plan keeps the pass every Apple GPU runs. Where they apply, only the layouts they read (values:
+    2- or 4-bit affine codes without a grid, 32 channels a warp in one value group; keys: KIVI's as given, no grid,
+    codes of at most 7 bits, 16 tokens a warp; both: at most 8 rows)."""
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "VALUE_MMA_BACKENDS", ("emulate", "cuda", "metal"))
@@ -451,37 +455,68 @@ def test_values_on_the_matrix_units_never_reach_a_metal_source(monkeypatch: pyte
     assert not decode.value_mma(four, 128, 16, 128, 64, 64, "cuda")   # rows past the fragment's 8
     assert not decode.value_mma(four, 128, 4, 128, 64, 16, "cuda")    # a warp's channels over two value groups
     assert "VMMA" in decode.with_value_mma(tiled_source()).defines and "VMMA" not in tiled_source().defines
+    monkeypatch.setattr(decode, "KEY_MMA_BACKENDS", ("emulate", "cuda", "metal"))
+    keys = Codec("kivi_keys", 4)
+    assert decode.key_mma(keys, 128, 4, 128, 64, False, "cuda")
+    assert decode.key_mma(Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)), 128, 8, 128, 64, False, "cuda")
+    assert not decode.key_mma(keys, 128, 4, 128, 64, False, "metal")
+    assert not decode.key_mma(keys, 128, 4, 128, 64, True, "cuda")     # keys before RoPE turn by position
+    assert not decode.key_mma(Codec("kivi_keys", 4, grid=True), 128, 4, 128, 64, False, "cuda")
+    assert not decode.key_mma(Codec("kivi_keys", 8), 128, 4, 128, 64, False, "cuda")   # 1 + code/2^8 is not bfloat16
+    assert not decode.key_mma(keys, 128, 4, 128, 32, False, "cuda")    # 8 tokens a warp
+    assert not decode.key_mma(keys, 128, 16, 128, 64, False, "cuda")
+    assert "KMMA" in decode.with_key_mma(tiled_source()).defines
 
 
 @needs_gpu
 @pytest.mark.parametrize("spec", [("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True}),
                                   ("kivi", 2, 64, 9, 4, {"key_block": 128}), ("kivi", 4, 32, 0, 0, {}),
-                                  ("kivi", 2, 32, 0, 4, {"key_block": 128})],
-                         ids=lambda s: "-".join(map(str, s[:5])))
+                                  ("kivi", 2, 32, 0, 4, {"key_block": 128}),
+                                  ("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True, "key_widths": "3-6"}),
+                                  ("kivi", 3, 64, 0, 4, {"key_block": 128, "key_outliers": 1, "key_widths": "2-5"})],
+                         ids=lambda s: "-".join(map(str, s[:5])) + ("-widths" if "key_widths" in s[5] else ""))
 @pytest.mark.parametrize("tokens", (1000, 4097))
 @pytest.mark.parametrize("repeats", (4, 8))
-def test_decode_kernel_weights_values_on_the_matrix_units(spec: tuple, tokens: int, repeats: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Phase 3 of the tiled pass on the matrix units (this GPU's backend let into decode.VALUE_MMA_BACKENDS: the parity
-    run behind a backend's place there): the plan takes it, and the attention keeps to the reference within the
-    parity tests' 2e-3 (4 and 8 query rows a kv head, 2- and 4-bit values, value groups of 32 and 64)."""
+@pytest.mark.parametrize("phases", ("values", "scores", "both"))
+def test_decode_kernel_on_the_matrix_units(spec: tuple, tokens: int, repeats: int, phases: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase 3 (values) and phase 1 (scores) of the tiled pass on the matrix units, each and both (this GPU's backend
+    let into decode.VALUE_MMA_BACKENDS / KEY_MMA_BACKENDS: the parity run behind a backend's place there): the plan
+    takes what applies (values of 3 bits keep the other form), and the attention is as close to the reference as the
+    pass without them, within the parity tests' 2e-3 wherever that pass is (4 and 8 query rows, 2-, 3- and 4-bit
+    codes, key channels at widths 3-6 and 2-5 with block outliers, value groups of 32 and 64)."""
     from engine.kvcache.kernels import decode
 
-    monkeypatch.setattr(decode, "VALUE_MMA_BACKENDS", (*decode.VALUE_MMA_BACKENDS, available_backend()))
     method, bits, group, window, sinks, options = spec
+    if "key_widths" in options:
+        counts = (48, 48, 16, 16)
+        options = options | {"key_widths": registered_width_table(counts, 2, seed=tokens, narrowest=bits - 1)}
     fused = _filled(method, bits, group, window, sinks, tokens, "require", 128, 2, mx.bfloat16, options=options,
-                    seed=tokens + repeats)
-    assert fused._decode_plan(repeats).value_mma
-    reference = _reference_of(fused)
+                    seed=tokens + repeats, spiked="key_outliers" in options)
     queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 2 * repeats, 1, 128), dtype=np.float32))
     queries = queries.astype(mx.bfloat16)
-    out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
-    mx.eval(out)
     with mx.stream(mx.cpu):
-        ref = reference.attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
+        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
         mx.eval(ref)
-    error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
-    assert np.isfinite(error) and error <= 2e-3, f"{spec} tokens={tokens} rows={repeats}: max abs err {error}"
+
+    def error() -> float:
+        out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
+        return float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
+
+    plain = fused._decode_plan(repeats)
+    assert not plain.key_mma and not plain.value_mma
+    plain_error = error()
+    if phases in ("values", "both"):
+        monkeypatch.setattr(decode, "VALUE_MMA_BACKENDS", (*decode.VALUE_MMA_BACKENDS, available_backend()))
+    if phases in ("scores", "both"):
+        monkeypatch.setattr(decode, "KEY_MMA_BACKENDS", (*decode.KEY_MMA_BACKENDS, available_backend()))
+    fused._plan_cache = None
+    plan = fused._decode_plan(repeats)
+    assert plan.key_mma == (phases != "values")
+    assert plan.value_mma == (phases != "scores" and bits != 3)
+    mma_error = error()
+    assert np.isfinite(mma_error) and mma_error <= max(2e-3, plain_error + 1e-3), (spec, tokens, repeats, phases,
+                                                                                  mma_error, plain_error)
 
 
 @needs_gpu
