@@ -463,6 +463,8 @@ def test_the_matrix_units_never_reach_a_metal_source(monkeypatch: pytest.MonkeyP
     assert not decode.key_mma(keys, 128, 4, 128, 64, True, "cuda")     # keys before RoPE turn by position
     assert not decode.key_mma(Codec("kivi_keys", 4, grid=True), 128, 4, 128, 64, False, "cuda")
     assert not decode.key_mma(Codec("kivi_keys", 8), 128, 4, 128, 64, False, "cuda")   # 1 + code/2^8 is not bfloat16
+    # a wide layer's key widths 4-7: a group of eight 7-bit codes can start 24 bits into a word (past a 64-bit window)
+    assert not decode.key_mma(Codec("kivi_keys", 5, widths=(4, 5, 6, 7)), 128, 4, 128, 64, False, "cuda")
     assert not decode.key_mma(keys, 128, 4, 128, 32, False, "cuda")    # 8 tokens a warp
     assert not decode.key_mma(keys, 128, 16, 128, 64, False, "cuda")
     assert "KMMA" in decode.with_key_mma(tiled_source()).defines

@@ -720,8 +720,8 @@ _TILED_BODY = """
   // a Metal source): warp w scores tokens [16w, 16w + 16) (two n-blocks of 8) for every query row at once, summing
   // over the channels 16 at a time (k-blocks), from the tile's key codes expanded into bfloat16 (sh_kx, below) and
   // the staged q·s (sh_qs) in two bfloat16 parts; one part of each score, which phase 2 takes as it is.
-  static_assert(!ROPE && !KGRID && D == 32 * (NT / 32) && CT == 16 * (NT / 32) && R <= 8 && KB <= 7,
-                "phase 1 on the matrix units: keys as given, no grid, 16 tokens a warp, R <= 8, codes of at most 7 bits");
+  static_assert(!ROPE && !KGRID && D == 32 * (NT / 32) && CT == 16 * (NT / 32) && R <= 8 && KB <= 6,
+                "phase 1 on the matrix units: keys as given, no grid, 16 tokens a warp, R <= 8, codes of at most 6 bits");
 #endif
 #if KMMA || VMMA
   // Codes expanded into bfloat16 pairs, 1 + code/2^width, for the transposed fragment reads (LDMATRIX_X4_TRANS): the
@@ -944,7 +944,9 @@ _TILED_BODY = """
       // op) against the refolded scales (KFOLD above); a key grid looks its level up instead.
 #if KMMA
       // Each storage row's codes, 8 tokens at a time, into bfloat16 pairs along the tokens (0x3F80 | code << (7 - w),
-      // w the row's width: its class's under key widths); 8 codes of at most 7 bits lie within one 64-bit window.
+      // w the row's width: its class's under key widths). A group starts at bit 8·w·g of its row, so within a word at an
+      // offset of at most 16 (6 bits), 24 (5, 3) or 0 (4, 2, 1): its 8 codes always fit one 64-bit window (not at 7
+      // bits: an offset of 24 and 56 bits; key_mma takes at most 6).
       static_assert((D * (CT / 8)) % NT == 0, "whole rounds of the expansion");
 #pragma unroll
       for (int kround = 0; kround < D * (CT / 8) / NT; ++kround) {   // a compile-time trip count: unrolled
@@ -964,7 +966,7 @@ _TILED_BODY = """
             const U32 c1 = (window >> ((2 * j + 1) * w)) & kmask;
             out[j] = 0x3F803F80u | (c0 << (7 - w)) | (c1 << (23 - w));
           }
-        } else {               // 3, 5, 6 or 7 bits: the group may straddle two words
+        } else {               // 3, 5 or 6 bits: the group may straddle two words
           const U64 window = ((((U64)sh_kw[kat + 1]) << 32) | (U64)sh_kw[kat]) >> (kbit0 & 31);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -1656,12 +1658,13 @@ KEY_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
 
 def key_mma(key: Codec, head_dim: int, rows: int, threads: int, tile: int, rope: bool, backend: str | None) -> bool:
     """Whether the tiled pass's phase 1 runs on the matrix units for this plan: admitted on `backend` (KEY_MMA_BACKENDS,
-    never Metal), KIVI keys as given (not before RoPE) without a grid, codes of at most 7 bits (1 + code/2^w is exact
-    in bfloat16), 32 channels a warp, 16 tokens a warp, at most 8 query rows. Its expanded keys share a buffer with
+    never Metal), KIVI keys as given (not before RoPE) without a grid, codes of at most 6 bits (a group of 8 codes and
+    its offset in a word fit the expansion's 64-bit window; 1 + code/2^w is exact in bfloat16), 32 channels a warp, 16
+    tokens a warp, at most 8 query rows. Its expanded keys share a buffer with
     the values' (`value_mma`); with both, 38.7 KB of threadgroup memory at D = 128 (41.3 KB with key widths), within
     CUDA's 48 KB."""
     return (backend in KEY_MMA_BACKENDS and backend != "metal" and key.kind == "kivi_keys" and not key.grid
-            and not rope and key.widest <= 7 and head_dim == threads and head_dim % 32 == 0
+            and not rope and key.widest <= 6 and head_dim == threads and head_dim % 32 == 0
             and tile == 16 * (threads // 32) and rows <= 8)
 
 
