@@ -48,7 +48,7 @@ VARIANTS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("      if (ROPE) {\n        // Keys stored before RoPE", "      if (true) {} else if (ROPE) {\n        // Keys stored before RoPE"),
     )),
     ("no_softmax", (("for (int r = wid; r < R; r += NW) {", "for (int r = wid; r < 0; r += NW) {"),)),
-    ("no_values", (("if (!dense) {\n      const int vbit", "if (false) {\n      const int vbit"),)),
+    ("no_values", (("if (!dense) {\n#if VMMA\n      // A k-block", "if (false) {\n#if VMMA\n      // A k-block"),)),  # both forms
     ("empty", (("for (int tile = 0; tile < all_tiles; ++tile) {", "for (int tile = 0; tile < 0; ++tile) {"),)),
 )
 
@@ -98,15 +98,11 @@ def measure(spec: str, context: int, shape: dict[str, Any], repeats: int, backen
     plans = [c._decode_plan(rows_per_kv) for c in caches]
     if any(p is None for p in plans):
         raise SystemExit(f"{spec}: no decode kernel on this device")
-    base = dk.tiled_source()
     results: list[dict[str, Any]] = []
     for name, cuts in VARIANTS:
-        source = dataclasses.replace(base, name=f"{base.name}_{name}", body=variant_body(base.body, cuts))
-        # A plan whose constants are compiled into its source (decode.PLAN_CONSTANTS_IN_SOURCE, no template) gets
-        # them as its own source does: a kernel per distinct set (the wide layers' differ)
+        # each plan's own source (its constants and defines kept: the wide layers' differ), with the cuts
         variant_plans = [dataclasses.replace(p, attend=kernel(dataclasses.replace(
-            source, defines="".join(f"constexpr int {n} = {int(v)};\n" for n, v in p.constants) + source.defines)
-            if not p.template else source, backend)) for p in plans]
+            p.source, name=f"{p.source.name}_{name}", body=variant_body(p.source.body, cuts)), backend)) for p in plans]
 
         def run(variant_plans: list[Any] = variant_plans) -> list[Any]:
             return [

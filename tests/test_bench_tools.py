@@ -74,3 +74,14 @@ def test_a_timeline_summary_is_per_step_and_ranks_kernels_by_time() -> None:
     assert summary["kernels"] == 2.0
     assert list(summary["by_kernel"]) == ["rms_norm", "velox_decode_merge"]
     assert summary["by_kernel"]["rms_norm"] == {"calls": 1.0, "ms": 1.5}
+
+
+def test_kernel_phase_cuts_still_find_their_text_in_the_tiled_pass() -> None:
+    """benchmarks/kernel_phases.py cuts parts out of the tiled pass by text; each text must occur exactly once in the
+    body as it stands (its cuts went stale twice when the body changed, and the tool only failed on a GPU)."""
+    from benchmarks.kernel_phases import VARIANTS, variant_body
+    from engine.kvcache.kernels.decode import tiled_source
+
+    body = tiled_source().body
+    for name, cuts in VARIANTS:
+        assert variant_body(body, cuts) != body or not cuts, name

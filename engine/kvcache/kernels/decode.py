@@ -256,6 +256,12 @@ INLINE float unit_code(U32 x, int i, int bits, U32 one) {
   return AS_F32(one | (placed & (((1u << bits) - 1u) << up)));
 }
 
+// Two codes c0, c1 (at most 7 bits) as bfloat16 1 + c/2^bits in one word, c0 in the low half: the matrix units'
+// expanded tiles (VMMA, KMMA).
+INLINE U32 unit_bf16_pair(U32 c0, U32 c1, int bits) {
+  return 0x3F803F80u | (c0 << (7 - bits)) | (c1 << (23 - bits));
+}
+
 // Code `i` of a row packed as a little-endian bit stream of `bits`-bit codes (1-8 bits; it may straddle two words).
 INLINE U32 code_at(const GLOBAL U32* row, int i, int bits) {
   const int bit = i * bits;
@@ -964,7 +970,7 @@ _TILED_BODY = """
           for (int j = 0; j < 4; ++j) {
             const U32 c0 = (window >> (2 * j * w)) & kmask;
             const U32 c1 = (window >> ((2 * j + 1) * w)) & kmask;
-            out[j] = 0x3F803F80u | (c0 << (7 - w)) | (c1 << (23 - w));
+            out[j] = unit_bf16_pair(c0, c1, w);
           }
         } else {               // 3, 5 or 6 bits: the group may straddle two words
           const U64 window = ((((U64)sh_kw[kat + 1]) << 32) | (U64)sh_kw[kat]) >> (kbit0 & 31);
@@ -972,7 +978,7 @@ _TILED_BODY = """
           for (int j = 0; j < 4; ++j) {
             const U32 c0 = (U32)(window >> (2 * j * w)) & kmask;
             const U32 c1 = (U32)(window >> ((2 * j + 1) * w)) & kmask;
-            out[j] = 0x3F803F80u | (c0 << (7 - w)) | (c1 << (23 - w));
+            out[j] = unit_bf16_pair(c0, c1, w);
           }
         }
       }
@@ -1226,7 +1232,7 @@ _TILED_BODY = """
         for (int j = 0; j < 16 / VB; ++j) {
           const U32 c0 = (word >> (2 * j * VB)) & VM;
           const U32 c1 = (word >> ((2 * j + 1) * VB)) & VM;
-          row[j] = 0x3F803F80u | (c0 << (7 - VB)) | (c1 << (23 - VB));
+          row[j] = unit_bf16_pair(c0, c1, VB);
         }
       }
     }
@@ -1895,6 +1901,7 @@ class DecodePlan:
     passes as template arguments (`template`) unless PLAN_CONSTANTS_IN_SOURCE compiled them into the kernel.
     Building it once per buffer growth keeps the per-step host work to the launch itself."""
 
+    source: KernelSource  # the attention pass as `attend` was built from it (its plan's defines and constants in it)
     attend: object
     merge: object
     arrays: tuple[mx.array, ...]
@@ -2041,6 +2048,7 @@ def plan_decode(
         lines = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in constants)
         source, template = replace(source, defines=lines + source.defines), ()
     return DecodePlan(
+        source=source,
         attend=kernel(source, backend),
         merge=kernel(MERGE_SOURCE, backend),
         arrays=arrays,
