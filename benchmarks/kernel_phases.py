@@ -48,7 +48,7 @@ VARIANTS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("      if (ROPE) {\n        // Keys stored before RoPE", "      if (true) {} else if (ROPE) {\n        // Keys stored before RoPE"),
     )),
     ("no_softmax", (("for (int r = wid; r < R; r += NW) {", "for (int r = wid; r < 0; r += NW) {"),)),
-    ("no_values", (("if (!dense) {\n#if VMMA\n      // A k-block", "if (false) {\n#if VMMA\n      // A k-block"),)),  # both forms
+    ("no_values", (("if (!dense) {\n      const int vbit", "if (false) {\n      const int vbit"),)),
     ("empty", (("for (int tile = 0; tile < all_tiles; ++tile) {", "for (int tile = 0; tile < 0; ++tile) {"),)),
 )
 

@@ -44,8 +44,6 @@ from engine.kvcache.kernels.decode import (  # noqa: E402
     tile_tokens,
     tiled_source,
     tiled_tile,
-    with_key_mma,
-    with_value_mma,
 )
 
 # A stand-in for "mlx/backend/cuda/device/utils.cuh": only what the wrapper and our bodies use.
@@ -146,9 +144,7 @@ def tile_loop_counts(sass: list[str]) -> dict[str, int]:
     back = [at for at, text in code if (b := _BRANCH.search(text)) and int(b.group(1), 16) == start]
     end = back[0] if back else barriers[-1]
     inside = [at for at in barriers if start <= at <= end] + [end + 16]
-    # five stretches where phase 1 runs on the matrix units (decode.KEY_MMA_BACKENDS): its key expansion has its own
-    names = (("staging", "phase 1", "phase 2", "phase 3") if len(inside) <= 5
-             else ("staging", "phase 1 expansion", "phase 1", "phase 2", "phase 3"))
+    names = ("staging", "phase 1", "phase 2", "phase 3")
     counts = {name: sum(1 for at, _ in code if lo <= at < hi)
               for name, lo, hi in zip(names, inside, inside[1:], strict=False)}
     lo, hi = inside[1], inside[2]
@@ -184,13 +180,6 @@ def token_loop_counts(sass: list[str]) -> dict[str, Any]:
 # (label, key codec, value codec, group size, key block): the pairs the methods hand the decode kernel.
 PAIRS = (
     ("kivi 4 (app 4-bit level)", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
-    # phase 3 on the matrix units (decode.VALUE_MMA_BACKENDS), the 4-bit level's values and the 2-bit level's
-    ("kivi 4, value mma", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
-    ("kivi 2, value mma", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
-    # and phase 1 too (decode.KEY_MMA_BACKENDS): plain keys, and the 4-bit level's key widths (3-6 bits)
-    ("kivi 4, key and value mma", Codec("kivi_keys", 4), Codec("affine", 4), 64, 128),
-    ("kivi 4, key widths", Codec("kivi_keys", 4, widths=(3, 4, 5, 6)), Codec("affine", 4), 64, 128),
-    ("kivi 4, key widths, key and value mma", Codec("kivi_keys", 4, widths=(3, 4, 5, 6)), Codec("affine", 4), 64, 128),
     ("kivi 3", Codec("kivi_keys", 3), Codec("affine", 3), 64, 128),
     ("kivi 2", Codec("kivi_keys", 2), Codec("affine", 2), 64, 128),
     ("kivi 2, key grid", Codec("kivi_keys", 2, grid=True), Codec("affine", 2), 64, 128),
@@ -222,18 +211,13 @@ PAIRS = (
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int,
-                uniform: bool = False, prefetch: bool = True, staged: bool = False, value_mma: bool = False,
-                key_mma: bool = False) -> str:
+                uniform: bool = False, prefetch: bool = True, staged: bool = False) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     if staged:
         source = staged_tables(source)
-    if value_mma:
-        source = with_value_mma(source)
-    if key_mma:
-        source = with_key_mma(source)
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
@@ -270,8 +254,7 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows, uniform="uniform" in label,
-                                 prefetch="no prefetch" not in label, staged="staged tables" in label,
-                                 value_mma="value mma" in label, key_mma="key and value mma" in label))
+                                 prefetch="no prefetch" not in label, staged="staged tables" in label))
              for label, k, v, g, kb in PAIRS
              if not args.only or label in {name.strip() for name in args.only.split(";")}]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},

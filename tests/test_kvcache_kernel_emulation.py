@@ -24,14 +24,7 @@ from engine.kvcache.kernels.backend import KernelSource, kernel
 from engine.kvcache.kernels.decode import Codec
 from engine.kvcache.kernels.emulate import EMULATE, compiler
 from engine.kvcache.methods import turboquant
-from tests.kvcache_helpers import (
-    filled_then_stepped,
-    kivi_chunk,
-    ldmatrix_gemm,
-    mma_frag,
-    mma_gemm,
-    registered_width_table,
-)
+from tests.kvcache_helpers import filled_then_stepped, kivi_chunk, mma_gemm, registered_width_table
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="the kernel emulator compiles kernels with g++, "
                                                           "which is not on PATH")
@@ -1040,33 +1033,6 @@ def test_emulated_kivi_encode_kernel_matches_reference(spec: str, counts, narrow
             assert float(mx.mean((got != ref).astype(mx.float32))) <= 1e-3, name
         else:
             assert bool(mx.array_equal(got, ref)), (name, float(mx.mean((got != ref).astype(mx.float32))))
-
-
-def test_emulated_fragment_matrix_op_follows_the_instruction_layout() -> None:
-    """MMA_FRAG_16X8X16 on the emulator: fragments built by the m16n8k16 register layout give A·B of the operands
-    rounded to bfloat16 (BF16_PAIR, to nearest even as BF16_ROUND), in every accumulator entry where the layout puts
-    it; a transposed or shifted reading of any fragment would put entries elsewhere."""
-    rng = np.random.default_rng(5)
-    a = rng.standard_normal((16, 16), dtype=np.float32)
-    b = rng.standard_normal((16, 8), dtype=np.float32)
-    got, rounded_a = (np.array(x) for x in mma_frag(mx.array(a), mx.array(b), EMULATE))
-    bf16 = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (a, b)]
-    np.testing.assert_array_equal(rounded_a, bf16[0])
-    want = bf16[0].astype(np.float64) @ bf16[1].astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert np.abs(got - a.astype(np.float64) @ b.astype(np.float64)).max() > 1e-3  # the operands were rounded
-
-
-def test_emulated_transposed_tile_read_gives_b_fragments() -> None:
-    """LDMATRIX_X4_TRANS on the emulator: a 16×16 bfloat16 tile stored by rows (k) read transposed into the B fragments
-    of two 8-column blocks, which the fragment op multiplies as A·B (a tile read untransposed, or its blocks swapped,
-    would give another product)."""
-    rng = np.random.default_rng(7)
-    a = rng.standard_normal((16, 16), dtype=np.float32)
-    b = rng.standard_normal((16, 16), dtype=np.float32)
-    got = np.array(ldmatrix_gemm(mx.array(a), mx.array(b), EMULATE))
-    bf16 = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)).astype(np.float64) for x in (a, b)]
-    np.testing.assert_allclose(got, bf16[0] @ bf16[1], rtol=1e-5, atol=1e-5)
 
 
 def test_emulated_matrix_ops_multiply_bfloat16_tiles() -> None:

@@ -33,8 +33,6 @@ from engine.kvcache.kernels.decode import (
     attend_source,
     staged_tables,
     tiled_source,
-    with_key_mma,
-    with_value_mma,
 )
 from engine.kvcache.kernels.dequantize import (
     KIVI_TILE_TOKENS,
@@ -48,8 +46,6 @@ from tests.kvcache_helpers import (
     filled_then_stepped,
     kivi_chunk,
     kivi_group_errors,
-    ldmatrix_gemm,
-    mma_frag,
     mma_gemm,
     mma_gemm_source,
     registered_width_table,
@@ -211,19 +207,14 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
     # keys as given; keys stored before RoPE (KIVI's rope=pre); each with block outliers (key_outliers); key channels at
     # widths 2-5 (key_widths: KCLS), class by class and uniform, as given and before RoPE
-    # and phase 3 on the matrix units (VMMA: the 4-bit level's layout, and 2-bit values before RoPE)
-    for rope, outliers, classes, uniform, vmma, vbits in (
-            (0, 0, 0, 0, 0, 4), (1, 0, 0, 0, 0, 4), (0, 1, 0, 0, 0, 4), (1, 1, 0, 0, 0, 4), (0, 1, 4, 0, 0, 4),
-            (0, 1, 4, 1, 0, 4), (1, 1, 4, 0, 0, 4), (0, 0, 4, 0, 1, 4), (1, 0, 4, 0, 1, 2), (0, 1, 4, 0, 2, 4)):
-        # vmma 2: phase 1 on the matrix units too (KMMA), with key widths and block outliers
-        source = with_value_mma(tiled_source()) if vmma else tiled_source()
-        source = with_key_mma(source) if vmma == 2 else source
-        units.append(_cuda_unit(source, _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
+    for rope, outliers, classes, uniform in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0), (0, 1, 4, 0),
+                                             (0, 1, 4, 1), (1, 1, 4, 0)):
+        units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
                                 | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32, "kout": mx.float16,
                                    "kidx": mx.uint8},
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                 {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 5 if classes else 4,
-                                 "VB": vbits, "KGRID": int(not outliers and not classes), "PF": 1, "VGRID": 0, "ROPE": rope,
+                                 "VB": 4, "KGRID": int(not outliers and not classes), "PF": 1, "VGRID": 0, "ROPE": rope,
                                  "TRAD": 0, "KO": outliers, "VSYM": outliers, "TT": TILED_RUN, "CS": 4, "NS": 4,
                                  "HW": 1, "KCLS": classes, "KBLO": 2 if classes else 4, "KUNI": uniform,
                                  "KMEAN": 3 if classes else 4, "TD": mx.bfloat16}))
@@ -436,118 +427,6 @@ def test_decode_kernel_matches_reference(spec: tuple, tokens: int) -> None:
         error = float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
         assert np.isfinite(error) and error <= 2e-3, f"{spec} tokens={tokens} D={head_dim}: max abs err {error}"
         assert mx.array_equal(out, out_causal)
-
-
-def test_the_matrix_units_never_reach_a_metal_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode.value_mma and key_mma: the register-fragment phases 3 and 1 are CUDA's (and the emulator's); even admitted
-    by mistake, a Metal plan keeps the pass every Apple GPU runs. Where they apply, only the layouts they read (values:
-    2- or 4-bit affine codes without a grid, 32 channels a warp in one value group; keys: KIVI's as given, no grid,
-    codes of at most 7 bits, 16 tokens a warp; both: at most 8 rows)."""
-    from engine.kvcache.kernels import decode
-
-    monkeypatch.setattr(decode, "VALUE_MMA_BACKENDS", ("emulate", "cuda", "metal"))
-    four = Codec("affine", 4)
-    assert decode.value_mma(four, 128, 4, 128, 64, 64, "cuda")
-    assert not decode.value_mma(four, 128, 4, 128, 64, 64, "metal")
-    assert not decode.value_mma(Codec("affine", 3), 128, 4, 128, 64, 64, "cuda")   # codes straddle words
-    assert not decode.value_mma(Codec("affine", 4, grid=True), 128, 4, 128, 64, 64, "cuda")
-    assert not decode.value_mma(four, 64, 4, 128, 64, 64, "cuda")     # 16 channels a warp
-    assert not decode.value_mma(four, 128, 16, 128, 64, 64, "cuda")   # rows past the fragment's 8
-    assert not decode.value_mma(four, 128, 4, 128, 64, 16, "cuda")    # a warp's channels over two value groups
-    assert "VMMA" in decode.with_value_mma(tiled_source()).defines and "VMMA" not in tiled_source().defines
-    monkeypatch.setattr(decode, "KEY_MMA_BACKENDS", ("emulate", "cuda", "metal"))
-    keys = Codec("kivi_keys", 4)
-    assert decode.key_mma(keys, 128, 4, 128, 64, False, "cuda")
-    assert decode.key_mma(Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)), 128, 8, 128, 64, False, "cuda")
-    assert not decode.key_mma(keys, 128, 4, 128, 64, False, "metal")
-    assert not decode.key_mma(keys, 128, 4, 128, 64, True, "cuda")     # keys before RoPE turn by position
-    assert not decode.key_mma(Codec("kivi_keys", 4, grid=True), 128, 4, 128, 64, False, "cuda")
-    assert not decode.key_mma(Codec("kivi_keys", 8), 128, 4, 128, 64, False, "cuda")   # 1 + code/2^8 is not bfloat16
-    # a wide layer's key widths 4-7: a group of eight 7-bit codes can start 24 bits into a word (past a 64-bit window)
-    assert not decode.key_mma(Codec("kivi_keys", 5, widths=(4, 5, 6, 7)), 128, 4, 128, 64, False, "cuda")
-    assert not decode.key_mma(keys, 128, 4, 128, 32, False, "cuda")    # 8 tokens a warp
-    assert not decode.key_mma(keys, 128, 16, 128, 64, False, "cuda")
-    assert "KMMA" in decode.with_key_mma(tiled_source()).defines
-
-
-@needs_gpu
-@pytest.mark.parametrize("spec", [("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True}),
-                                  ("kivi", 2, 64, 9, 4, {"key_block": 128}), ("kivi", 4, 32, 0, 0, {}),
-                                  ("kivi", 2, 32, 0, 4, {"key_block": 128}),
-                                  ("kivi", 4, 64, 0, 4, {"key_block": 128, "rotate_values": True, "key_widths": "3-6"}),
-                                  ("kivi", 3, 64, 0, 4, {"key_block": 128, "key_outliers": 1, "key_widths": "2-5"})],
-                         ids=lambda s: "-".join(map(str, s[:5])) + ("-widths" if "key_widths" in s[5] else ""))
-@pytest.mark.parametrize("tokens", (1000, 4097))
-@pytest.mark.parametrize("repeats", (4, 8))
-@pytest.mark.parametrize("phases", ("values", "scores", "both"))
-def test_decode_kernel_on_the_matrix_units(spec: tuple, tokens: int, repeats: int, phases: str,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Phase 3 (values) and phase 1 (scores) of the tiled pass on the matrix units, each and both (this GPU's backend
-    let into decode.VALUE_MMA_BACKENDS / KEY_MMA_BACKENDS: the parity run behind a backend's place there): the plan
-    takes what applies (values of 3 bits keep the other form), and the attention is as close to the reference as the
-    pass without them, within the parity tests' 2e-3 wherever that pass is (4 and 8 query rows, 2-, 3- and 4-bit
-    codes, key channels at widths 3-6 and 2-5 with block outliers, value groups of 32 and 64)."""
-    from engine.kvcache.kernels import decode
-
-    method, bits, group, window, sinks, options = spec
-    if "key_widths" in options:
-        counts = (48, 48, 16, 16)
-        options = options | {"key_widths": registered_width_table(counts, 2, seed=tokens, narrowest=bits - 1)}
-    fused = _filled(method, bits, group, window, sinks, tokens, "require", 128, 2, mx.bfloat16, options=options,
-                    seed=tokens + repeats, spiked="key_outliers" in options)
-    queries = mx.array(np.random.default_rng(tokens).standard_normal((1, 2 * repeats, 1, 128), dtype=np.float32))
-    queries = queries.astype(mx.bfloat16)
-    with mx.stream(mx.cpu):
-        ref = _reference_of(fused).attention(queries.astype(mx.float32), None, None, scale=128**-0.5, mask=None)
-        mx.eval(ref)
-
-    def error() -> float:
-        out = fused.attention(queries, None, None, scale=128**-0.5, mask=None)
-        return float(mx.max(mx.abs(out.astype(mx.float32) - ref)))
-
-    plain = fused._decode_plan(repeats)
-    assert not plain.key_mma and not plain.value_mma
-    plain_error = error()
-    if phases in ("values", "both"):
-        monkeypatch.setattr(decode, "VALUE_MMA_BACKENDS", (*decode.VALUE_MMA_BACKENDS, available_backend()))
-    if phases in ("scores", "both"):
-        monkeypatch.setattr(decode, "KEY_MMA_BACKENDS", (*decode.KEY_MMA_BACKENDS, available_backend()))
-    fused._plan_cache = None
-    plan = fused._decode_plan(repeats)
-    assert plan.key_mma == (phases != "values")
-    assert plan.value_mma == (phases != "scores" and bits != 3)
-    mma_error = error()
-    assert np.isfinite(mma_error) and mma_error <= max(2e-3, plain_error + 1e-3), (spec, tokens, repeats, phases,
-                                                                                  mma_error, plain_error)
-
-
-@needs_gpu
-def test_transposed_tile_read_gives_b_fragments_on_the_gpu() -> None:
-    """LDMATRIX_X4_TRANS on this GPU (CUDA's ldmatrix .trans; Metal has no register fragments): a 16×16 bfloat16 tile
-    stored by rows read into two 8-column blocks' B fragments, multiplied by the fragment op as A·B."""
-    if available_backend() != "cuda":
-        pytest.skip("register-fragment matrix ops are CUDA's (MSL has no register fragments)")
-    rng = np.random.default_rng(7)
-    a = rng.standard_normal((16, 16), dtype=np.float32)
-    b = rng.standard_normal((16, 16), dtype=np.float32)
-    got = np.array(ldmatrix_gemm(mx.array(a), mx.array(b), available_backend()))
-    bf16 = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)).astype(np.float64) for x in (a, b)]
-    np.testing.assert_allclose(got, bf16[0] @ bf16[1], rtol=1e-4, atol=1e-4)
-
-
-@needs_gpu
-def test_fragment_matrix_op_follows_the_instruction_layout_on_the_gpu() -> None:
-    """MMA_FRAG_16X8X16 on this GPU (CUDA's mma.sync on register fragments; Metal has none, so no plan uses it there):
-    A·B of the operands rounded to bfloat16, each accumulator entry where the layout puts it."""
-    if available_backend() != "cuda":
-        pytest.skip("register-fragment matrix ops are CUDA's (MSL has no register fragments)")
-    rng = np.random.default_rng(5)
-    a = rng.standard_normal((16, 16), dtype=np.float32)
-    b = rng.standard_normal((16, 8), dtype=np.float32)
-    got, rounded_a = (np.array(x) for x in mma_frag(mx.array(a), mx.array(b), available_backend()))
-    bf16 = [np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (a, b)]
-    np.testing.assert_array_equal(rounded_a, bf16[0])
-    np.testing.assert_allclose(got, bf16[0].astype(np.float64) @ bf16[1].astype(np.float64), rtol=1e-4, atol=1e-4)
 
 
 @needs_gpu

@@ -42,22 +42,6 @@ CUDA: `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` (sm_80 and later), t
 in the instruction's register layout. Metal: `simdgroup_multiply_accumulate` on `simdgroup_float8x8` (every Apple
 GPU MLX runs on), B loaded transposed.
 
-The same instruction on operands a body builds in registers (CUDA and the emulator only: MSL has no register
-fragments, so a body uses these only in code a plan compiles for CUDA, behind a `#define` it never gives Metal):
-
-    MMA_FRAG_16X8X16(c, a0, a1, a2, a3, b0, b1)   c[0..3] += A·B, A 16×16 and B 16×8 held across the warp: lane l
-                   (g = l / 4, t = l % 4) gives A's rows g (a0, a2) and g + 8 (a1, a3) at columns 2t, 2t + 1 (a0, a1)
-                   and 2t + 8, 2t + 9 (a2, a3), and B's column g at rows 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1),
-                   each a U32 holding two bfloat16 (the lower column or row in the low half); it gets the
-                   accumulator's rows g (c[0], c[1]) and g + 8 (c[2], c[3]) at columns 2t, 2t + 1
-    BF16_ROUND(x)  float x rounded to the nearest bfloat16 (ties to even), as a float
-    BF16_PAIR(lo, hi)  two floats rounded to bfloat16 in one U32, lo in the low half
-    LDMATRIX_X4_TRANS(r, p)   four 8×8 tiles of 16-bit values in shared memory, each row 16 bytes (8 values) at an
-                   address a lane gives (`p`, a const SHARED U32*, 16-byte aligned: lane l gives row l % 8 of tile
-                   l / 8), read transposed into fragments: lane l gets in r[m] (a U32) tile m's rows 2(l % 4) and
-                   2(l % 4) + 1 at column l / 4, the lower row in the low half (a B fragment's b0 or b1 where the
-                   tile's rows are k and its columns n)
-
 Both MLX front ends take `grid` as the total number of threads (Metal's dispatch_threads; MLX's CUDA
 launcher divides by the block size itself), so a launch is described once for both.
 
@@ -168,26 +152,6 @@ __device__ __forceinline__ void mma_16x8x16(MmaAcc& acc, const __nv_bfloat16* a,
                : "+f"(acc.v[0]), "+f"(acc.v[1]), "+f"(acc.v[2]), "+f"(acc.v[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void mma_frag(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                         unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const unsigned* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(p)));
-}
-#define LDMATRIX_X4_TRANS(r, p) ldmatrix_x4_trans((r), (p))
-#define MMA_FRAG_16X8X16(c, a0, a1, a2, a3, b0, b1) mma_frag((c), (a0), (a1), (a2), (a3), (b0), (b1))
-#define BF16_ROUND(x) __bfloat162float(__float2bfloat16(x))
-#define BF16_PAIR(lo, hi) bf16_pair((lo), (hi))
 __device__ __forceinline__ void mma_store(float* c, int ldc, const MmaAcc& acc) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   c[g * ldc + 2 * t] = acc.v[0];

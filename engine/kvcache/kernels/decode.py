@@ -256,12 +256,6 @@ INLINE float unit_code(U32 x, int i, int bits, U32 one) {
   return AS_F32(one | (placed & (((1u << bits) - 1u) << up)));
 }
 
-// Two codes c0, c1 (at most 7 bits) as bfloat16 1 + c/2^bits in one word, c0 in the low half: the matrix units'
-// expanded tiles (VMMA, KMMA).
-INLINE U32 unit_bf16_pair(U32 c0, U32 c1, int bits) {
-  return 0x3F803F80u | (c0 << (7 - bits)) | (c1 << (23 - bits));
-}
-
 // Code `i` of a row packed as a little-endian bit stream of `bits`-bit codes (1-8 bits; it may straddle two words).
 INLINE U32 code_at(const GLOBAL U32* row, int i, int bits) {
   const int bit = i * bits;
@@ -661,14 +655,8 @@ _TILED_BODY = """
   SHARED U32 sh_vw[CT * VWT + 1];    // the tile's value codes, one row of VWT words per token
   SHARED float sh_vs[CT * VG];       // ... their scales
   SHARED float sh_vb[CT * VG];       // ... and biases
-  // Partial scores, part h of row r and token t at S_AT(h, r, t); after the tile loop, the token groups' outputs
-  // (and, VMMA, the matrix units' part: one row more).
-#if VMMA
-  constexpr int NOUT = NSG + 1;
-#else
-  constexpr int NOUT = NSG;
-#endif
-  SHARED float sh_s[NH * SS > NOUT * D ? NH * SS : NOUT * D];
+  // Partial scores, part h of row r and token t at S_AT(h, r, t); after the tile loop, the token groups' outputs.
+  SHARED float sh_s[NH * SS > NSG * D ? NH * SS : NSG * D];
   SHARED float sh_p[CT * R];         // the tile's softmax weights, token-major (phase 3 reads a token's R at once)
   SHARED float sh_m[R];
   SHARED float sh_l[R];
@@ -704,52 +692,6 @@ _TILED_BODY = """
   }
   const int t1 = TID % CT;       // phase 1: this thread's token in the tile
   const int half = TID / CT;     // ... and its share of the channels
-#if VMMA
-  // Phase 3 of compressed tiles on the matrix units (decode.VALUE_MMA_BACKENDS; CUDA's register fragments, so never in
-  // a Metal source). Warp w owns channels [32w, 32w + 32) as four n-blocks of 8 columns; lane (g, t) = (l / 4, l % 4)
-  // accumulates row g (a query row where g < R) at columns 2t, 2t + 1 of each n-block (vacc[vnb][0..1]; [2..3] are
-  // rows g + 8, whose A rows are zero), and row g's share of the value biases over its tokens (the four lanes of a row
-  // add theirs at the end). The tile's value codes are expanded once into bfloat16 (sh_vx) and read into fragments
-  // transposed (LDMATRIX_X4_TRANS), so a code costs a share of its expansion instead of R multiply-adds: phase 3's
-  // instructions a thread and tile 637 -> 374 at 4-bit values (sm_90a, kernel-resources-value-mma.json).
-  static_assert(D == 32 * (NT / 32) && G % 32 == 0 && 32 % VB == 0 && VB <= 4 && R <= 8 && CT % 16 == 0 && !VGRID,
-                "phase 3 on the matrix units: 32 channels a warp in one value group, 2- or 4-bit codes, R <= 8");
-  const int mw = TID / 32, mg = (TID % 32) / 4, mt = TID % 4;
-  const int mvg = (32 * mw) / G;    // the value group of the warp's channels
-  float vacc[4][4];
-  for (int vnb = 0; vnb < 4; ++vnb)
-    for (int i = 0; i < 4; ++i) vacc[vnb][i] = 0.0f;
-  float vbias_part = 0.0f;
-#endif
-#if KMMA
-  // Phase 1 of compressed tiles on the matrix units (decode.KEY_MMA_BACKENDS; CUDA's register fragments, so never in
-  // a Metal source): warp w scores tokens [16w, 16w + 16) (two n-blocks of 8) for every query row at once, summing
-  // over the channels 16 at a time (k-blocks), from the tile's key codes expanded into bfloat16 (sh_kx, below) and
-  // the staged q·s (sh_qs) in two bfloat16 parts; one part of each score, which phase 2 takes as it is.
-  static_assert(!ROPE && !KGRID && D == 32 * (NT / 32) && CT == 16 * (NT / 32) && R <= 8 && KB <= 6,
-                "phase 1 on the matrix units: keys as given, no grid, 16 tokens a warp, R <= 8, codes of at most 6 bits");
-#endif
-#if KMMA || VMMA
-  // Codes expanded into bfloat16 pairs, 1 + code/2^width, for the transposed fragment reads (LDMATRIX_X4_TRANS): the
-  // keys by channel (sh_kx: a storage row of CT tokens as CT/2 pairs), read in phase 1; the values by token (sh_vx: a
-  // token's D channels as D/2 pairs), written in phase 2's stretch and read in phase 3; so both share one buffer. A
-  // row has 4 words of padding: rows 16-byte aligned, and the 8 rows one transposed read takes on distinct banks.
-  constexpr int KXS = CT / 2 + 4;
-  constexpr int VXS = D / 2 + 4;
-#if KMMA
-  constexpr int MXK = D * KXS;
-#else
-  constexpr int MXK = 0;
-#endif
-#if VMMA
-  constexpr int MXV = CT * VXS;
-#else
-  constexpr int MXV = 0;
-#endif
-  MMA_SHARED U32 sh_mx[MXK > MXV ? MXK : MXV];
-  U32* const sh_kx = sh_mx;
-  U32* const sh_vx = sh_mx;
-#endif
 
   // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
   // KCLS: the classes' rows hold D x CT x KMEAN / 32 words a tile (their widths average the layer's key bits, KMEAN,
@@ -948,78 +890,6 @@ _TILED_BODY = """
       // run's TT codes of a channel are TT*KB consecutive bits of its staged row (one word, two where they straddle),
       // each read as x = 1 + code/2^KB (the code moved into the top of 1.0's mantissa: exact, a shift and a logic
       // op) against the refolded scales (KFOLD above); a key grid looks its level up instead.
-#if KMMA
-      // Each storage row's codes, 8 tokens at a time, into bfloat16 pairs along the tokens (0x3F80 | code << (7 - w),
-      // w the row's width: its class's under key widths). A group starts at bit 8·w·g of its row, so within a word at an
-      // offset of at most 16 (6 bits), 24 (5, 3) or 0 (4, 2, 1): its 8 codes always fit one 64-bit window (not at 7
-      // bits: an offset of 24 and 56 bits; key_mma takes at most 6).
-      static_assert((D * (CT / 8)) % NT == 0, "whole rounds of the expansion");
-#pragma unroll
-      for (int kround = 0; kround < D * (CT / 8) / NT; ++kround) {   // a compile-time trip count: unrolled
-        const int i = TID + kround * NT;
-        const int krow = i / (CT / 8);
-        const int kgrp = i % (CT / 8);
-        const int w = KCLS ? KBLO + CLASS_OF(krow) : KB;
-        const int kbit0 = kgrp * 8 * w;
-        const int kat = krow * KWP + (kbit0 >> 5);
-        const U32 kmask = (1u << w) - 1u;
-        U32* out = &sh_kx[krow * KXS + 4 * kgrp];
-        if ((32 % w) == 0) {   // 1, 2 or 4 bits: a group's 8 codes lie in one word (compile-time without key widths)
-          const U32 window = sh_kw[kat] >> (kbit0 & 31);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const U32 c0 = (window >> (2 * j * w)) & kmask;
-            const U32 c1 = (window >> ((2 * j + 1) * w)) & kmask;
-            out[j] = unit_bf16_pair(c0, c1, w);
-          }
-        } else {               // 3, 5 or 6 bits: the group may straddle two words
-          const U64 window = ((((U64)sh_kw[kat + 1]) << 32) | (U64)sh_kw[kat]) >> (kbit0 & 31);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const U32 c0 = (U32)(window >> (2 * j * w)) & kmask;
-            const U32 c1 = (U32)(window >> ((2 * j + 1) * w)) & kmask;
-            out[j] = unit_bf16_pair(c0, c1, w);
-          }
-        }
-      }
-      BARRIER();
-      {
-        // A: rows g < R of 2^w·q·s (sh_qs) at the k-block's channels 2t, 2t + 1 and 2t + 8, 2t + 9, in two bfloat16
-        // parts; B: two n-blocks (the warp's 16 tokens) a transposed read of sh_kx, lane l at row l % 8 of tile l / 8
-        // (channels 16k + 8(tile & 1) + row, tokens of n-block tile / 2).
-        const int kwarp = TID / 32, kg = (TID % 32) / 4, kt = TID % 4, km = (TID % 32) / 8;
-        float sacc[2][4];
-        for (int nb = 0; nb < 2; ++nb)
-          for (int i = 0; i < 4; ++i) sacc[nb][i] = 0.0f;
-#pragma unroll
-        for (int kblk = 0; kblk < D / 16; ++kblk) {
-          float hi[4], lo[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = 16 * kblk + 2 * kt + (e & 1) + 8 * (e >> 1);
-            const float a = (kg < R) ? sh_qs[QS_AT(c, (kg < R ? kg : 0))] : 0.0f;
-            hi[e] = BF16_ROUND(a);
-            lo[e] = a - hi[e];
-          }
-          const U32 ah0 = BF16_PAIR(hi[0], hi[1]), ah2 = BF16_PAIR(hi[2], hi[3]);
-          const U32 al0 = BF16_PAIR(lo[0], lo[1]), al2 = BF16_PAIR(lo[2], lo[3]);
-          U32 b[4];
-          LDMATRIX_X4_TRANS(b, &sh_kx[(16 * kblk + 8 * (km & 1) + TID % 8) * KXS + 8 * kwarp + 4 * (km >> 1)]);
-          MMA_FRAG_16X8X16(sacc[0], ah0, 0u, ah2, 0u, b[0], b[1]);
-          MMA_FRAG_16X8X16(sacc[0], al0, 0u, al2, 0u, b[0], b[1]);
-          MMA_FRAG_16X8X16(sacc[1], ah0, 0u, ah2, 0u, b[2], b[3]);
-          MMA_FRAG_16X8X16(sacc[1], al0, 0u, al2, 0u, b[2], b[3]);
-        }
-        if (kg < R) {
-#pragma unroll
-          for (int nb = 0; nb < 2; ++nb) {
-            const int tok = 16 * kwarp + 8 * nb + 2 * kt;
-            sh_s[S_AT(0, kg, tok)] = sacc[nb][0];
-            sh_s[S_AT(0, kg, tok + 1)] = sacc[nb][1];
-          }
-        }
-      }
-#else
       const int run = TID % RUNS;
       const int slice = TID / RUNS;
       const int kbit = run * TT * KB;
@@ -1146,7 +1016,6 @@ _TILED_BODY = """
 #pragma unroll
           for (int r = 0; r < R; ++r) sh_s[S_AT(slice / SPW, r, run * TT + i)] = acc[i][r];
       }
-#endif
     } else {
       // Phase 1 (16-bit sinks, then window): token t1's keys read directly.
       float acc[R];
@@ -1173,11 +1042,7 @@ _TILED_BODY = """
         for (int st = 16; st > 0; st >>= 1) qb += LANE_XOR(qb, st);
       }
       // A token's score is the sum of its parts: one per warp's slices of a compressed tile, HALVES otherwise.
-#if KMMA
-      const int parts = dense ? HALVES : 1;   // the matrix units' scores are whole
-#else
       const int parts = dense ? HALVES : SLICES / SPW;
-#endif
       constexpr int PT = (CT + 31) / 32;    // tokens per lane, their scores kept in registers
       float score[PT];
       float tmax = -1e30f;
@@ -1220,23 +1085,6 @@ _TILED_BODY = """
         sh_m[r] = m_new;
       }
     }
-#if VMMA
-    if (!dense) {
-      // Each staged value word (32/VB channels of a token) into bfloat16 pairs: two codes a pair, the lower channel
-      // in the low half, each moved into the top of 1.0's mantissa (0x3F80 | code << (7 - VB)).
-      constexpr U32 VM = (1u << VB) - 1u;
-      for (int i = TID; i < CT * VWT; i += NT) {
-        const U32 word = sh_vw[i];
-        U32* row = &sh_vx[(i / VWT) * VXS + (i % VWT) * (16 / VB)];
-#pragma unroll
-        for (int j = 0; j < 16 / VB; ++j) {
-          const U32 c0 = (word >> (2 * j * VB)) & VM;
-          const U32 c1 = (word >> ((2 * j + 1) * VB)) & VM;
-          row[j] = unit_bf16_pair(c0, c1, VB);
-        }
-      }
-    }
-#endif
     BARRIER();
     // Phase 3: rescale, then weight x value of this thread's tokens.
     for (int r = 0; r < R; ++r) {
@@ -1244,48 +1092,7 @@ _TILED_BODY = """
       o_bias[r] *= corr;
       for (int i = 0; i < 8; ++i) o_acc[r][i] *= corr;
     }
-#if VMMA
-    {
-      const float corr = sh_corr[mg < R ? mg : 0];
-      vbias_part *= corr;
-      for (int vnb = 0; vnb < 4; ++vnb) { vacc[vnb][0] *= corr; vacc[vnb][1] *= corr; }
-    }
-#endif
     if (!dense) {
-#if VMMA
-      // A k-block is 16 tokens. B: the codes of tokens 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) at the lane's channel,
-      // read as 1 + code/2^VB (exact in bfloat16) from the expanded tile, transposed. A: row g's weights x each token's
-      // value scale (staged x 2^VB, STAGE_STORE) in two bfloat16 parts, the rounded value and what rounding left,
-      // so the products keep float precision (the rounded value alone: 2^-9 of each weight).
-#pragma unroll
-      for (int vkb = 0; vkb < CT / 16; ++vkb) {
-        const int vt0 = 16 * vkb + 2 * mt;
-        float hi[4], lo[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tk = vt0 + (i & 1) + 8 * (i >> 1);
-          const float p = (mg < R) ? sh_p[tk * R + (mg < R ? mg : 0)] : 0.0f;
-          const float a = p * sh_vs[tk * VG + mvg];
-          vbias_part += p * sh_vb[tk * VG + mvg];
-          hi[i] = BF16_ROUND(a);
-          lo[i] = a - hi[i];
-        }
-        const U32 ah0 = BF16_PAIR(hi[0], hi[1]), ah2 = BF16_PAIR(hi[2], hi[3]);
-        const U32 al0 = BF16_PAIR(lo[0], lo[1]), al2 = BF16_PAIR(lo[2], lo[3]);
-        // B of two n-blocks a read: lane l points at row l % 8 of tile l / 8 (tokens 16k + 8(tile & 1) + row,
-        // channels of n-block 2·pair + tile / 2), and gets b0, b1 of the first n-block, then of the second.
-        const int vm = (TID % 32) / 8;
-#pragma unroll
-        for (int vnp = 0; vnp < 2; ++vnp) {
-          U32 b[4];
-          LDMATRIX_X4_TRANS(b, &sh_vx[(16 * vkb + 8 * (vm & 1) + TID % 8) * VXS + 16 * mw + 4 * (2 * vnp + (vm >> 1))]);
-          MMA_FRAG_16X8X16(vacc[2 * vnp], ah0, 0u, ah2, 0u, b[0], b[1]);
-          MMA_FRAG_16X8X16(vacc[2 * vnp], al0, 0u, al2, 0u, b[0], b[1]);
-          MMA_FRAG_16X8X16(vacc[2 * vnp + 1], ah0, 0u, ah2, 0u, b[2], b[3]);
-          MMA_FRAG_16X8X16(vacc[2 * vnp + 1], al0, 0u, al2, 0u, b[2], b[3]);
-        }
-      }
-#else
       const int vbit = lane * 8 * VB;
       const int vw = vbit >> 5;
       const int vsh = vbit & 31;
@@ -1318,7 +1125,6 @@ _TILED_BODY = """
           for (int i = 0; i < 8; ++i) o_acc[r][i] += ps * x[i];
         }
       }
-#endif
     } else {
       for (int j = 0; j < TPG; ++j) {
         const int t = tg + j * NSG;
@@ -1339,28 +1145,14 @@ _TILED_BODY = """
   // The NSG token groups share one running max (block-uniform): their outputs just add up.
   // Into sh_s (no phase reads it after the loop's last barrier): one array fewer within a threadgroup's 32 KB.
   const long split_row = ((long)bh * GROUPS_X + GROUP_X) * R;
-#if VMMA
-  vbias_part += LANE_XOR(vbias_part, 1);   // the four lanes of row g
-  vbias_part += LANE_XOR(vbias_part, 2);
-#endif
 #pragma unroll
   for (int r = 0; r < R; ++r) {   // unrolled: o_acc[r] stays in registers (a runtime index puts it in memory)
     BARRIER();
     for (int i = 0; i < 8; ++i) sh_s[tg * D + lane * 8 + i] = o_acc[r][i] + o_bias[r];
-#if VMMA
-    if (mg == r) {   // the matrix units' part of row r, in row NSG
-#pragma unroll
-      for (int vnb = 0; vnb < 4; ++vnb) {
-        const int c = 32 * mw + 8 * vnb + 2 * mt;
-        sh_s[NSG * D + c] = vacc[vnb][0] + vbias_part;
-        sh_s[NSG * D + c + 1] = vacc[vnb][1] + vbias_part;
-      }
-    }
-#endif
     BARRIER();
     for (int d = TID; d < D; d += NT) {
       float acc = 0.0f;
-      for (int g = 0; g < NOUT; ++g) acc += sh_s[g * D + d];
+      for (int g = 0; g < NSG; ++g) acc += sh_s[g * D + d];
       part_o[(split_row + r) * D + d] = acc;
     }
     if (TID == 0) {
@@ -1639,50 +1431,6 @@ WIDTH_UNIFORM_RUNS = False
 # them too (kept for comparison: benchmarks/decode_profile.py --sweep times both).
 TILED = True
 
-# Backends where the tiled pass weights the compressed tiles' values on the matrix units (`value_mma`): CUDA's
-# register-fragment mma.sync (the dialect's MMA_FRAG_16X8X16), which Metal's simdgroup matrices have no form of, so
-# never "metal". The emulator runs it for the parity tests; CUDA joins once a GPU parity run and a timing admit it.
-VALUE_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
-
-
-def value_mma(value: Codec, head_dim: int, rows: int, threads: int, tile: int, group_size: int,
-              backend: str | None) -> bool:
-    """Whether the tiled pass's phase 3 runs on the matrix units for this plan: admitted on `backend`
-    (VALUE_MMA_BACKENDS, never Metal), plain affine value codes of 2 or 4 bits (no grid), 32 channels a warp
-    within one value group, at most 8 query rows a kv head, and whole 16-token blocks a tile. Its threadgroup memory
-    (the expanded values, CT x (D/2 + 4) words, and one more row of outputs) is outside `tiled_shared_bytes`, which
-    sizes tiles for Metal's 32 KB: CUDA, the only backend that takes it, gives a block 48 KB (37.7 KB at D = 128)."""
-    return (backend in VALUE_MMA_BACKENDS and backend != "metal" and value.kind == "affine" and not value.grid
-            and value.bits in (2, 4) and head_dim == threads and head_dim % 32 == 0 and group_size % 32 == 0
-            and rows <= 8 and tile % 16 == 0)
-
-
-# Backends where the tiled pass scores the compressed tiles on the matrix units (`key_mma`): as VALUE_MMA_BACKENDS,
-# CUDA's register fragments, never Metal; the emulator runs it for the parity tests until a GPU times it.
-KEY_MMA_BACKENDS: tuple[str, ...] = ("emulate",)
-
-
-def key_mma(key: Codec, head_dim: int, rows: int, threads: int, tile: int, rope: bool, backend: str | None) -> bool:
-    """Whether the tiled pass's phase 1 runs on the matrix units for this plan: admitted on `backend` (KEY_MMA_BACKENDS,
-    never Metal), KIVI keys as given (not before RoPE) without a grid, codes of at most 6 bits (a group of 8 codes and
-    its offset in a word fit the expansion's 64-bit window; 1 + code/2^w is exact in bfloat16), 32 channels a warp, 16
-    tokens a warp, at most 8 query rows. Its expanded keys share a buffer with
-    the values' (`value_mma`); with both, 38.7 KB of threadgroup memory at D = 128 (41.3 KB with key widths), within
-    CUDA's 48 KB."""
-    return (backend in KEY_MMA_BACKENDS and backend != "metal" and key.kind == "kivi_keys" and not key.grid
-            and not rope and key.widest <= 6 and head_dim == threads and head_dim % 32 == 0
-            and tile == 16 * (threads // 32) and rows <= 8)
-
-
-def with_key_mma(source: KernelSource) -> KernelSource:
-    """The tiled pass's source with phase 1 on the matrix units (`#define KMMA 1`)."""
-    return replace(source, defines="#define KMMA 1\n" + source.defines, matrix_ops=True)
-
-
-def with_value_mma(source: KernelSource) -> KernelSource:
-    """The tiled pass's source with phase 3 on the matrix units (`#define VMMA 1`: its code is not in other sources)."""
-    return replace(source, defines="#define VMMA 1\n" + source.defines, matrix_ops=True)
-
 
 @functools.cache
 def tiled_source() -> KernelSource:
@@ -1911,8 +1659,6 @@ class DecodePlan:
     threads: int
     target_groups: int
     sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
-    value_mma: bool = False  # the tiled pass weights the compressed values on the matrix units (`value_mma`)
-    key_mma: bool = False  # ... and scores the compressed keys there (`key_mma`)
 
 
 # The key widths' inputs of the kernels that read KIVI keys (the tiled pass, the history decode), after the others.
@@ -2036,13 +1782,6 @@ def plan_decode(
     if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
         source = staged_tables(source)
-    on_matrix_units = tiled is not None and value_mma(value_codec, head_dim, rows, threads, tile, group_size, backend)
-    if on_matrix_units:
-        source = with_value_mma(source)
-    scores_on_matrix_units = tiled is not None and key_mma(key_codec, head_dim, rows, threads, tile, rope is not None,
-                                                           backend)
-    if scores_on_matrix_units:
-        source = with_key_mma(source)
     constants = tuple(template)
     if PLAN_CONSTANTS_IN_SOURCE:
         lines = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in constants)
@@ -2058,8 +1797,6 @@ def plan_decode(
         threads=threads,
         target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
         sketch=key_codec.kind in SKETCH_KINDS,
-        value_mma=on_matrix_units,
-        key_mma=scores_on_matrix_units,
     )
 
 

@@ -173,10 +173,6 @@ inline float u2f(uint32_t c) {
 #define MMA_ZERO(acc) { for (int i_ = 0; i_ < 128; ++i_) (acc).v[i_] = 0.0f; }
 #define MMA_16X8X16(acc, a, lda, b, ldb) emu::mma_16x8x16((acc), (a), (lda), (b), (ldb), __LINE__)
 #define MMA_STORE(c, ldc, acc) emu::mma_store((c), (ldc), (acc), __LINE__)
-#define MMA_FRAG_16X8X16(c, a0, a1, a2, a3, b0, b1) emu::mma_frag((c), (a0), (a1), (a2), (a3), (b0), (b1), __LINE__)
-#define BF16_ROUND(x) emu::bf16_round(x)
-#define BF16_PAIR(lo, hi) emu::bf16_pair((lo), (hi))
-#define LDMATRIX_X4_TRANS(r, p) emu::ldmatrix_x4_trans((r), (p), __LINE__)
 namespace emu {
 struct MmaAcc { float v[128]; };
 inline float bf16_round(float x) {
@@ -194,58 +190,6 @@ inline void mma_16x8x16(MmaAcc& acc, const float* a, int lda, const float* b, in
       for (int k = 0; k < 16; ++k) sum += a[m * lda + k] * b[n * ldb + k];
       acc.v[m * 8 + n] += sum;
     }
-}
-// MMA_FRAG_16X8X16: the warp's 32 fragments gathered (three exchanges of two words a lane, through LANE_XOR's
-// buffers), then each lane computes its own four accumulator entries in float, as the instruction's layout says.
-inline void gather(uint64_t word, int line, uint64_t* out) {
-  const int me = block.tid;
-  const int parity = block.exchanges[me]++ & 1;
-  block.exchange[parity][me] = word;
-  wait(AT_SHUFFLE, line);
-  const int first = me & ~31;
-  for (int i = 0; i < 32; ++i) out[i] = block.exchange[parity][first + i];
-}
-inline float bf16_at(uint32_t pair, int high) { return as_f32(high ? (pair & 0xffff0000u) : (pair << 16)); }
-inline void mma_frag(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
-                     int line) {
-  uint64_t lo[32], hi[32], bs[32];
-  gather((uint64_t)a0 | ((uint64_t)a1 << 32), line, lo);
-  gather((uint64_t)a2 | ((uint64_t)a3 << 32), line, hi);
-  gather((uint64_t)b0 | ((uint64_t)b1 << 32), line, bs);
-  // A[row][col]: lane (row % 8) * 4 + (col % 8) / 2, in a0 / a1 (col < 8, rows below / from 8) or a2 / a3
-  auto a_at = [&](int row, int col) {
-    const int lane = (row % 8) * 4 + (col % 8) / 2;
-    const uint64_t word = col < 8 ? lo[lane] : hi[lane];
-    return bf16_at((uint32_t)(row < 8 ? word : word >> 32), col & 1);
-  };
-  // B[k][n]: lane n * 4 + (k % 8) / 2, in b0 (k < 8) or b1
-  auto b_at = [&](int k, int n) {
-    const uint64_t word = bs[n * 4 + (k % 8) / 2];
-    return bf16_at((uint32_t)(k < 8 ? word : word >> 32), k & 1);
-  };
-  const int lane = block.tid & 31, g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float sum = 0.0f;
-    for (int k = 0; k < 16; ++k) sum += a_at(row, k) * b_at(k, col);
-    c[i] += sum;
-  }
-}
-// LDMATRIX_X4_TRANS: the warp's row addresses gathered (one exchange), then each lane reads its four pairs.
-inline void ldmatrix_x4_trans(uint32_t* r, const uint32_t* p, int line) {
-  uint64_t rows[32];
-  gather((uint64_t)(uintptr_t)p, line, rows);
-  const int lane = block.tid & 31;
-  auto at = [&](int tile, int row, int col) {   // 16-bit value `col` of row `row` of tile `tile`
-    uint16_t half;
-    std::memcpy(&half, (const char*)(uintptr_t)rows[tile * 8 + row] + 2 * col, sizeof half);
-    return (uint32_t)half;
-  };
-  for (int m = 0; m < 4; ++m)
-    r[m] = at(m, 2 * (lane % 4), lane / 4) | (at(m, 2 * (lane % 4) + 1, lane / 4) << 16);
-}
-inline uint32_t bf16_pair(float lo, float hi) {
-  return (as_u32(bf16_round(lo)) >> 16) | (as_u32(bf16_round(hi)) & 0xffff0000u);
 }
 inline void mma_store(float* c, int ldc, const MmaAcc& acc, int line) {
   lane_xor(0u, 0, line);
