@@ -936,6 +936,28 @@ def _width_table(head_dim: int, counts: tuple[int, ...], seed: int, narrowest: i
 
 
 @pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("bits,options", [
+    (4, ":s4:key_block=128:rotate_values=true"),  # the 4-bit level's layout, widths 3-6
+    (3, ":s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:" + ROPE_SPEC.format("false")),
+])
+def test_long_caches_take_the_backends_long_tile(bits: int, options: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's long tile (decode.TILED_LONG_TILES: CUDA's 128 tokens within 48 KB, from 24k slots) is taken
+    once the cache holds that many compressed slots and not before, its threadgroup memory past the default limit
+    at the levels' key widths (why only CUDA has one), and the attention stays the reference's."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setitem(decode.TILED_LONG_TILES, "emulate", (128, 48 * 1024, 512))
+    digest = _width_table(128, (48, 48, 16, 16), seed=128, narrowest=bits - 1)
+    spec = f"kivi:k{bits}v{bits}:g64{options}:key_widths={digest}"
+    for tokens, tile in ((300, 64), (1200, 128)):
+        cache = _filled(spec, tokens, 128, 4, seed=tokens, spiked="outliers" in options)
+        assert (cache.capacity >= 512) == (tile == 128), cache.capacity
+        plan, *_ = _attend_both(cache, tokens, 4)
+        assert ("CT", tile) in plan.constants and plan.tile == tile
+    assert decode.tiled_shared_bytes(128, 4, 128, 128, bits + 2, bits, 64, bits == 3, True) > decode.TILED_SHARED_LIMIT
+
+
+@pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("options,counts", [
     # the 3-bit level's layout with every width present, then a layer without 5-bit channels and one without 4-bit
     # ones (between two classes it has)

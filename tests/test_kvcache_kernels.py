@@ -558,6 +558,9 @@ def test_decode_kernel_reads_key_widths(counts: tuple[int, ...], tokens: int, ro
     plan = fused._decode_plan(4)
     assert plan is not None and ("KCLS", 4) in plan.constants and ("KO", int(bits == 3)) in plan.constants
     assert ("ROPE", int(rope == "pre")) in plan.constants
+    # past the backend's long-tile length (decode.TILED_LONG_TILES: CUDA's 128-token tiles) the plan takes that tile
+    long_tile, _, long_from = decode.TILED_LONG_TILES.get(available_backend(), (0, 0, 0))
+    assert not long_tile or (("CT", long_tile) in plan.constants) == (fused.capacity >= long_from)
     excess = _peaked_excess_over_cpu_reference(fused, seed=tokens + 7)
     assert np.isfinite(excess) and excess <= 2e-3, f"key_widths {counts} tokens={tokens}: {excess}"
 

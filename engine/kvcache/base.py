@@ -1008,6 +1008,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             plan = _kernels.plan_decode(
                 key_codec, key_arrays, value_codec, value_arrays, self.config.group_size,
                 self._k_head_dim, rows, backend, self._kernel_key_block(), rope=self._kernel_rope(),
+                tokens=self.capacity,
             )
         if self._store is not None:  # "nothing compressed yet" is rechecked until something is
             self._plan_cache = (self._store, self.config, rows, device, plan)

@@ -61,6 +61,14 @@ TILED_MIN_TILE = 32
 TILED_RUN = 4
 # Threadgroup memory the tiled pass may declare: Apple GPUs give a threadgroup 32 KB (CUDA's static limit is 48 KB).
 TILED_SHARED_LIMIT = 32 * 1024
+# Longer tiles for long caches, by backend: (tile, the threadgroup memory it may declare, from how many compressed slots
+# of the cache). 128-token tiles halve the tile loop's rounds (barriers, softmax updates, staging set-up) but need
+# 39-42 KB at the levels' key widths, past an Apple GPU's 32 KB and within CUDA's 48 KB of static shared memory; below
+# ~24k tokens they leave too few tiles a split to hide each tile's loads. GPU time of the 32 layers' pass on an H200,
+# 64- -> 128-token tiles (benchmarks/results/gpu-timeline-tile128-*-h200.json), the 4-bit level: 0.85 -> 0.99 ms at
+# 8k, 1.34 -> 1.40 at 16k, 1.84 -> 1.79 at 24k, 2.32 -> 2.19 at 32k, 8.04 -> 6.75 at 131k; the 3-bit level 1.02 ->
+# 1.14, 1.68 -> 1.75, 2.33 -> 2.32, 2.98 -> 2.89, 10.84 -> 9.74. (The 2-bit level's narrower codes fit 128 anywhere.)
+TILED_LONG_TILES: dict[str, tuple[int, int, int]] = {"cuda": (128, 48 * 1024, 24 * 1024)}
 MAX_SPLITS = 256
 # Key widths (KIVI's key_widths): at most this many classes of key channels, each at its own width (template KCLS).
 MAX_WIDTH_CLASSES = 4
@@ -1449,10 +1457,10 @@ def tiled_source() -> KernelSource:
 
 
 def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None,
-               rows: int) -> int | None:
+               rows: int, max_tile: int | None = None, shared_limit: int | None = None) -> int | None:
     """CT of the tiled pass for this pair and layout with `rows` query rows per kv head, or None where it does
-    not apply (see `_TILED_BODY`). The tile is halved until the pass's threadgroup memory fits
-    TILED_SHARED_LIMIT."""
+    not apply (see `_TILED_BODY`). The tile starts at `max_tile` (TILED_MAX_TILE) and is halved until the pass's
+    threadgroup memory fits `shared_limit` (TILED_SHARED_LIMIT)."""
     if not TILED or key.kind != "kivi_keys" or value.kind != "affine":
         return None
     if (key.grid and key.bits > 4) or (value.grid and value.bits > 4):
@@ -1460,7 +1468,8 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
     threads = threads_for(head_dim)
     token_groups = threads // (head_dim // 8)
     block = key_block or group_size
-    tile = min(TILED_MAX_TILE, block)
+    tile = min(max_tile or TILED_MAX_TILE, block)
+    limit = shared_limit or TILED_SHARED_LIMIT
     while True:
         if threads % tile or tile % token_groups or block % tile or any((tile * w) % 32 for w in (key.bits, *key.widths)):
             return None
@@ -1471,7 +1480,7 @@ def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_blo
             return None
         shared = tiled_shared_bytes(head_dim, rows, threads, tile, key.widest, value.bits, group_size, key.outliers,
                                     bool(key.widths))
-        if shared <= TILED_SHARED_LIMIT:
+        if shared <= limit:
             return tile
         tile //= 2
         if tile < TILED_MIN_TILE:
@@ -1747,12 +1756,18 @@ def plan_decode(
     backend: str,
     key_block: int | None = None,
     rope: tuple[mx.array, bool] | None = None,
+    tokens: int = 0,
 ) -> DecodePlan:
     """The DecodePlan of one cache (the caller checked `tile_tokens` is not None). `rope`: keys stored before
     RoPE (KIVI's rope=pre, full rotary), as (each channel pair's angle per position, float32 [D/2];
-    traditional pairing), which only the tiled pass turns (the caller checked `tiled_tile`)."""
+    traditional pairing), which only the tiled pass turns (the caller checked `tiled_tile`). `tokens`: the
+    compressed slots the plan will read (the cache's capacity), which pick the backend's long tile where it has
+    one (TILED_LONG_TILES)."""
     threads = threads_for(head_dim)
     tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows)
+    long_tile, long_limit, long_from = TILED_LONG_TILES.get(backend, (0, 0, 0))
+    if tiled is not None and long_tile > tiled and tokens >= long_from:
+        tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows, long_tile, long_limit) or tiled
     arrays = (*key_arrays, *value_arrays)
     if rope is not None and tiled is None:
         raise ValueError("Only the tiled decode pass turns keys stored before RoPE.")
