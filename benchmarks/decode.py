@@ -290,10 +290,12 @@ def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) ->
     return sorted(times)
 
 
-def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int) -> float:
+def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int,
+                  token_seconds: list[float] | None = None) -> float:
     """Seconds per token of mlx-lm's own decode loop (`generate_step`, greedy) over the filled caches, after
     `warmup` tokens: the loop mlx_lm.stream_generate and so the app and `velox serve` run, which records
-    step n+1 while the GPU runs step n (`mx.async_eval`), so host time and GPU time overlap there."""
+    step n+1 while the GPU runs step n (`mx.async_eval`), so host time and GPU time overlap there. Each timed
+    token's own interval is appended to `token_seconds` where given (a stall shows there, not in the mean)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -302,7 +304,25 @@ def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int) 
     for _ in generate_step(prompt, model, max_tokens=warmup + steps + 1, prompt_cache=caches,
                            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)):
         marks.append(time.perf_counter())  # each token is read back (.item()) before it is yielded
+    if token_seconds is not None:
+        token_seconds.extend(b - a for a, b in zip(marks[warmup:], marks[warmup + 1:], strict=False))
     return (marks[-1] - marks[warmup]) / steps
+
+
+# A token of mlx-lm's loop that takes this many times the median token is counted as a stall.
+STALL_FACTOR = 3.0
+
+
+def token_latency(token_seconds: list[float]) -> dict[str, Any]:
+    """What a user of the loop feels beside its mean: the median and slowest token (ms), and the stalls (tokens over
+    STALL_FACTOR x the median) with the time they added over the median."""
+    if not token_seconds:
+        return {}
+    ordered = sorted(token_seconds)
+    median = statistics.median(ordered)
+    stalls = [t for t in token_seconds if t > STALL_FACTOR * median]
+    return {"gen_token_ms_median": median * 1000, "gen_token_ms_max": ordered[-1] * 1000, "gen_stalls": len(stalls),
+            "gen_stall_ms": sum(t - median for t in stalls) * 1000}
 
 
 def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: argparse.Namespace,
@@ -328,6 +348,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
             filled.pop(spec, None)
     steps: dict[str, list[float]] = {spec: [] for spec in filled}
     generated: dict[str, list[float]] = {spec: [] for spec in filled}
+    tokens: dict[str, list[float]] = {spec: [] for spec in filled}
     for _ in range(args.rounds):
         for spec, caches in list(filled.items()):
             try:
@@ -335,7 +356,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                     times = time_decode(model, caches, args.steps, args.warmup)
                     steps[spec].append(times[len(times) // 2])
                     if args.generate:
-                        generated[spec].append(time_generate(model, caches, args.steps, args.warmup))
+                        generated[spec].append(time_generate(model, caches, args.steps, args.warmup, tokens[spec]))
             except Exception as error:
                 rows[spec]["error"] = _error_text(error)
                 del filled[spec]
@@ -351,7 +372,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                     "rounds_ms": [t * 1000 for t in steps[spec]]}
             if generated[spec]:
                 row |= {"gen_tok_s": 1 / median(generated[spec]), "gen_ms": median(generated[spec]) * 1000,
-                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]}
+                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]} | token_latency(tokens[spec])
             for key, series in (("vs_fp16", steps), ("gen_vs_fp16", generated)):
                 reference = series.get("fp16")
                 if reference and series[spec] and len(reference) == len(series[spec]):
@@ -621,9 +642,10 @@ def run(args: argparse.Namespace) -> int:
                     "held_bytes": held, "bound_tok_s": bandwidth / (weights + held),
                 }
                 if args.generate:
+                    token_seconds: list[float] = []
                     with spec_constants(spec):
-                        per_token = time_generate(model, caches, args.steps, args.warmup)
-                    row |= {"gen_tok_s": 1 / per_token, "gen_ms": per_token * 1000}
+                        per_token = time_generate(model, caches, args.steps, args.warmup, token_seconds)
+                    row |= {"gen_tok_s": 1 / per_token, "gen_ms": per_token * 1000} | token_latency(token_seconds)
                 if spec == "fp16":
                     reference[context] = row["tok_s"]
                     reference_gen[context] = row.get("gen_tok_s", 0.0)
@@ -631,7 +653,8 @@ def run(args: argparse.Namespace) -> int:
                     row["vs_fp16"] = row["tok_s"] / reference[context]
                 if reference_gen.get(context) and "gen_tok_s" in row:
                     row["gen_vs_fp16"] = row["gen_tok_s"] / reference_gen[context]
-                generated = (f"; mlx-lm loop {row['gen_tok_s']:.1f} tok/s x{row.get('gen_vs_fp16', float('nan')):.2f}"
+                generated = (f"; mlx-lm loop {row['gen_tok_s']:.1f} tok/s x{row.get('gen_vs_fp16', float('nan')):.2f}, "
+                             f"token max {row['gen_token_ms_max']:.1f} ms, {row['gen_stalls']} stalls"
                              if "gen_tok_s" in row else "")
                 print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s ({row['ms']:.2f} ms; bound "
                       f"{row['bound_tok_s']:.0f} tok/s; cache {held / 1e9:.2f} GB; "

@@ -1165,6 +1165,8 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         # mlx-lm's own decode loop over the same caches, beside the one-step-at-a-time figure
         assert row["gen_tok_s"] > 0 and row["gen_tok_s"] == pytest.approx(1000 / row["gen_ms"])
         assert row["gen_vs_fp16"] == pytest.approx(row["gen_tok_s"] / rows["fp16"]["gen_tok_s"])
+        # ... and its tokens one by one: the median and slowest token, the stalls
+        assert 0 < row["gen_token_ms_median"] <= row["gen_token_ms_max"] and row["gen_stalls"] in (0, 1)
     assert rows["fp16"]["vs_fp16"] == 1.0
     assert rows["fp16"]["held_bytes"] >= fp16_bytes and rows["mlx-kv"]["held_bytes"] >= fp16_bytes
     assert 0 < rows["kivi:4:64"]["held_bytes"] < fp16_bytes / 2  # 4-bit codes and their scales

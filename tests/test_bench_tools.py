@@ -5,6 +5,7 @@ benchmarks/gpu_timeline.py sums the GPU's kernel record per step."""
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from benchmarks import decode
 from benchmarks.gpu_timeline import busy_time, short_name, summarize
@@ -85,3 +86,17 @@ def test_kernel_phase_cuts_still_find_their_text_in_the_tiled_pass() -> None:
     body = tiled_source().body
     for name, cuts in VARIANTS:
         assert variant_body(body, cuts) != body or not cuts, name
+
+
+def test_token_latency_counts_the_stalls_a_mean_hides() -> None:
+    """decode.py's per-token record of mlx-lm's loop: 127 tokens of 10 ms and one of 60 ms average 10.4 ms, which a
+    mean reports as a steady loop; the record names the stall and the 50 ms it added."""
+    from benchmarks.decode import STALL_FACTOR, token_latency
+
+    seconds = [0.010] * 127 + [0.060]
+    latency = token_latency(seconds)
+    assert latency["gen_token_ms_median"] == pytest.approx(10.0) and latency["gen_token_ms_max"] == pytest.approx(60.0)
+    assert latency["gen_stalls"] == 1 and latency["gen_stall_ms"] == pytest.approx(50.0)
+    edge = token_latency([0.010] * 9 + [0.010 * STALL_FACTOR])  # exactly the factor: not a stall
+    assert edge["gen_stalls"] == 0 and edge["gen_stall_ms"] == 0.0
+    assert token_latency([]) == {}
