@@ -39,6 +39,7 @@ from engine.kvcache.kernels.decode import (  # noqa: E402
     UNROLL,
     Codec,
     attend_source,
+    rope_by_step,
     staged_tables,
     threads_for,
     tile_tokens,
@@ -198,6 +199,10 @@ PAIRS = (
      Codec("affine", 3, symmetric=True), 64, -128),
     ("kivi 3, key widths, no prefetch", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
      Codec("affine", 3, symmetric=True), 64, 128),
+    # keys before RoPE turned a run at a time (decode.ROPE_STEP_BACKENDS): the 4-bit keys and the 3-bit level's layout
+    ("kivi 4, keys before RoPE, by step", Codec("kivi_keys", 4), Codec("affine", 4), 64, -128),
+    ("kivi 3, key widths before RoPE, by step", Codec("kivi_keys", 3, outliers=True, widths=(2, 3, 4, 5)),
+     Codec("affine", 3, symmetric=True), 64, -128),
     ("affine 4", Codec("affine", 4), Codec("affine", 4), 64, None),
     ("turboquant 4", Codec("codebook", 4), Codec("codebook", 4), 64, None),
     ("rvq 4", Codec("rvq", 2, 2), Codec("rvq", 2, 2), 64, None),
@@ -211,13 +216,15 @@ PAIRS = (
 
 
 def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, head_dim: int, rows: int,
-                uniform: bool = False, prefetch: bool = True, staged: bool = False) -> str:
+                uniform: bool = False, prefetch: bool = True, staged: bool = False, by_step: bool = False) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
     tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
     source = attend_source(key, value) if tiled is None else tiled_source()
     if staged:
         source = staged_tables(source)
+    if by_step:
+        source = rope_by_step(source)
     tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
@@ -254,7 +261,8 @@ def main() -> None:
     if shutil.which("nvcc") is None:
         sys.exit("nvcc is not on PATH: a CUDA toolkit is needed to compile the kernels offline.")
     units = [(label, attend_unit(k, v, g, kb, args.head_dim, args.rows, uniform="uniform" in label,
-                                 prefetch="no prefetch" not in label, staged="staged tables" in label))
+                                 prefetch="no prefetch" not in label, staged="staged tables" in label,
+                                 by_step="by step" in label))
              for label, k, v, g, kb in PAIRS
              if not args.only or label in {name.strip() for name in args.only.split(";")}]
     units.append(("merge", wrap(MERGE_SOURCE, {}, {"out": "bfloat16"},

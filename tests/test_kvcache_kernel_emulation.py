@@ -239,14 +239,21 @@ ROPE_SPEC = "rope=pre:rope_dims=128:rope_base=10000.0:rope_scale=1.0:rope_tradit
     # rope_scale 64: angles up to ~77,000 rad at 1,200 tokens, as at ~77,000 positions (many whole turns to reduce)
     "kivi:k4v4:g64:s4:key_block=128:" + ROPE_SPEC.format("false").replace("rope_scale=1.0", "rope_scale=64.0"),
 ])
-def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str) -> None:
+@pytest.mark.parametrize("by_step", [False, True], ids=["each_token", "by_step"])
+def test_tiled_pass_turns_keys_stored_before_rope_like_the_reference(spec: str, by_step: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's rope=pre: the tiled pass decodes each key pair and turns it by its position (ROPE = 1) and matches
     the reference path, which decodes the keys and applies mx.fast.rope; positions run past several key blocks
-    and splits (1,200 tokens)."""
+    and splits (1,200 tokens). Both forms: each token's angle as the reference computes it (what CUDA and Metal run)
+    and a run's later tokens turned by their pair's step (decode.ROPE_STEP_BACKENDS)."""
+    from engine.kvcache.kernels import decode
+
+    monkeypatch.setattr(decode, "ROPE_STEP_BACKENDS", ("emulate",) if by_step else ())
     for tokens in (200, 301, 1200):
         plan, *_ = _attend_both(_filled(spec, tokens, 128, 4, seed=tokens), tokens, 4)
         assert ("ROPE", 1) in plan.constants
         assert ("TRAD", int("traditional=true" in spec)) in plan.constants
+        assert ("#define ROPE_STEP 1" in plan.source.defines) == by_step
 
 
 @pytest.mark.usefixtures("emulated")

@@ -483,16 +483,19 @@ def test_decode_kernel_reads_sketched_keys_and_polar_angles(spec: tuple, tokens:
 
 @needs_gpu
 @pytest.mark.parametrize("traditional", [False, True])
-@pytest.mark.parametrize("tokens", (1000, 8193, 33000))
-def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: int,
+@pytest.mark.parametrize("tokens", (1000, 8193, 33000, 131073))
+@pytest.mark.parametrize("by_step", [False, True], ids=["each_token", "by_step"])
+def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: int, by_step: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """KIVI's rope=pre through the tiled pass on this GPU (its backend let into decode.ROPE_BACKENDS for the
     test, in case it is not there yet) against the reference path in float32, which decodes the keys and turns
     them with mx.fast.rope on the same device (no quantized_matmul is involved, so it can run there): the parity
-    run behind a backend's place in ROPE_BACKENDS. Positions up to 33k, where float32 angles are coarsest."""
+    run behind a backend's place in ROPE_BACKENDS. Positions up to 131k, where float32 angles are coarsest; `by_step`:
+    a run's later tokens turned by their pair's step (the backend let into decode.ROPE_STEP_BACKENDS, or kept out)."""
     from engine.kvcache.kernels import decode
 
     monkeypatch.setattr(decode, "ROPE_BACKENDS", (*decode.ROPE_BACKENDS, available_backend()))
+    monkeypatch.setattr(decode, "ROPE_STEP_BACKENDS", (available_backend(),) if by_step else ())
     options = {"key_block": 128, "rotate_values": True, "rope": "pre", "rope_dims": 128, "rope_base": 500000.0,
                "rope_scale": 1.0, "rope_traditional": traditional}
     fused = _filled("kivi", 4, 64, 0, 4, tokens, "require", 128, 2, mx.bfloat16, options=options, seed=tokens)
@@ -500,6 +503,7 @@ def test_decode_kernel_turns_keys_stored_before_rope(traditional: bool, tokens: 
     out = fused.attention(queries.astype(mx.bfloat16), None, None, scale=128**-0.5, mask=None)
     plan = fused._decode_plan(4)
     assert plan is not None and ("ROPE", 1) in plan.constants and ("TRAD", int(traditional)) in plan.constants
+    assert ("#define ROPE_STEP 1" in plan.source.defines) == by_step
     ref = _reference_of(fused).attention(queries, None, None, scale=128**-0.5, mask=None)
     error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
     assert np.isfinite(error) and error <= 2e-3, f"rope=pre traditional={traditional} tokens={tokens}: {error}"

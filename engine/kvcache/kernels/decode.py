@@ -689,6 +689,21 @@ _TILED_BODY = """
   SHARED float sh_vgrid[16];
   if (TID < 16) { sh_kgrid[TID] = kgrid[TID]; sh_vgrid[TID] = vgrid[TID]; }
   if (ROPE) for (int i = TID; i < D / 2; i += NT) sh_rf[i] = rfreq[i];
+  // ROPE_STEP (decode.ROPE_STEP_BACKENDS): phase 1 turns a run's first token by its angle as the reference computes it
+  // and each next token by one more position's turn of its pair (cos, sin of the pair's angle per position, here),
+  // so a run of TT tokens takes one sine and cosine a pair instead of TT. The angles of a run's later tokens then
+  // differ from the reference's float32 position x frequency by that product's rounding (< 0.008 rad at 131k tokens,
+  // the size of the reference's own error against the exact angle).
+#ifndef ROPE_STEP
+#define ROPE_STEP 0
+#endif
+  SHARED float sh_rstep[ROPE_STEP ? D : 2];
+  if (ROPE && ROPE_STEP) for (int i = TID; i < D / 2; i += NT) {
+    float sn, cs;
+    TURN_AT(1.0f, rfreq[i], sn, cs);
+    sh_rstep[ROPE_STEP ? 2 * i : 0] = cs;
+    sh_rstep[ROPE_STEP ? 2 * i + 1 : 1] = sn;
+  }
 
   const int lane = TID % TPT;
   const int tg = TID / TPT;
@@ -930,6 +945,9 @@ _TILED_BODY = """
           float qa[R], qb[R];
 #pragma unroll
           for (int r = 0; r < R; ++r) { qa[r] = sh_q[row_a * R + r]; qb[r] = sh_q[row_b * R + r]; }
+          float sn, cs;
+          if (ROPE_STEP) TURN_AT(first, freq, sn, cs);
+          const float step_c = sh_rstep[ROPE_STEP ? 2 * j : 0], step_s = sh_rstep[ROPE_STEP ? 2 * j + 1 : 1];
 #pragma unroll
           for (int i = 0; i < TT; ++i) {
             const float xa = KCLS ? unit_code(bits_a, i, wa, one_bits)
@@ -938,8 +956,13 @@ _TILED_BODY = """
                 : KGRID ? sh_kgrid[(bits_b >> (i * KB)) & ((1u << KB) - 1u)] : unit_code(bits_b, i, KB, one_bits);
             const float ka = scale_a * xa + bias_a;
             const float kb = scale_b * xb + bias_b;
-            float sn, cs;
-            TURN_AT(first + (float)i, freq, sn, cs);
+            if (!ROPE_STEP) {
+              TURN_AT(first + (float)i, freq, sn, cs);
+            } else if (i > 0) {   // one more position: (cs, sn) turned by the pair's step
+              const float turned = cs * step_c - sn * step_s;
+              sn = sn * step_c + cs * step_s;
+              cs = turned;
+            }
             const float ra = ka * cs - kb * sn;
             const float rb = ka * sn + kb * cs;
 #pragma unroll
@@ -1386,6 +1409,13 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
 # here: the GPU parity test runs on one).
 ROPE_BACKENDS: tuple[str, ...] = ("emulate", "cuda", "metal")
 
+# Backends where the tiled pass turns keys stored before RoPE a run at a time (template define ROPE_STEP, see
+# `_TILED_BODY`): one sine and cosine a pair and run of TILED_RUN tokens, the run's other tokens turned by the pair's
+# step; phase 1 of the levels with keys before RoPE spends most of its instructions on the angles. The emulator checks
+# it against the reference; off on CUDA and Metal until a GPU times it (its later tokens' angles are not the
+# reference's float32 products, within their rounding: < 2e-3 on the attention in numpy at 33k and 131k positions).
+ROPE_STEP_BACKENDS: tuple[str, ...] = ("emulate",)
+
 # Backends where the tiled pass adds KIVI's block outliers (KO = 1; option key_outliers) to its scores; elsewhere such a
 # cache attends through the reference path (quantized_matmul plus one scatter-add of q_c·residual per block). The CPU
 # emulator checks it against the reference in the tests; CUDA passed the GPU parity test on the lent H200
@@ -1739,6 +1769,11 @@ def staged_tables(source: KernelSource) -> KernelSource:
     return replace(source, defines="#define STAGE_TABLES 1\n" + source.defines)
 
 
+def rope_by_step(source: KernelSource) -> KernelSource:
+    """The tiled pass `source` turning keys stored before RoPE a run of tokens at a time (ROPE_STEP)."""
+    return replace(source, defines="#define ROPE_STEP 1\n" + source.defines)
+
+
 def _tables_whole(codec: Codec, arrays: list[mx.array | None]) -> bool:
     """Whether each centroid table of `codec` in `arrays` holds an entry for every code (what staging copies)."""
     return all(arrays[slot] is not None and arrays[slot].size >= 1 << getattr(codec, width)
@@ -1797,6 +1832,8 @@ def plan_decode(
     if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
         source = staged_tables(source)
+    if tiled is not None and rope is not None and backend in ROPE_STEP_BACKENDS:
+        source = rope_by_step(source)
     constants = tuple(template)
     if PLAN_CONSTANTS_IN_SOURCE:
         lines = "".join(f"constexpr int {name} = {int(value)};\n" for name, value in constants)
