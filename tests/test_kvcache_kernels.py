@@ -206,14 +206,19 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                                          "B2": 2, "NB2": 3, "TR": mx.bfloat16}))
     kivi, affine = Codec("kivi_keys", 4), Codec("affine", 4)
     # keys as given; keys stored before RoPE (KIVI's rope=pre); each with block outliers (key_outliers); key channels at
-    # widths 2-5 (key_widths: KCLS), class by class and uniform, as given and before RoPE
-    for rope, outliers, classes, uniform in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0), (0, 1, 4, 0),
-                                             (0, 1, 4, 1), (1, 1, 4, 0)):
-        units.append(_cuda_unit(tiled_source(), _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
+    # widths 2-5 (key_widths: KCLS), class by class and uniform, as given and before RoPE; then CUDA's long tile
+    # (decode.TILED_LONG_TILES) and keys before RoPE turned a run at a time (decode.ROPE_STEP_BACKENDS)
+    from engine.kvcache.kernels.decode import rope_by_step
+
+    for rope, outliers, classes, uniform, tile, step in (
+            (0, 0, 0, 0, 64, 0), (1, 0, 0, 0, 64, 0), (0, 1, 0, 0, 64, 0), (1, 1, 0, 0, 64, 0), (0, 1, 4, 0, 64, 0),
+            (0, 1, 4, 1, 64, 0), (1, 1, 4, 0, 64, 0), (0, 1, 4, 0, 128, 0), (1, 1, 4, 0, 128, 1)):
+        units.append(_cuda_unit(rope_by_step(tiled_source()) if step else tiled_source(),
+                                _attend_dtypes(kivi, affine) | _WIDTH_DTYPES
                                 | {"kgrid": mx.float32, "vgrid": mx.float32, "rfreq": mx.float32, "kout": mx.float16,
                                    "kidx": mx.uint8},
                                 {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
-                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": 64, "KB": 5 if classes else 4,
+                                {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": tile, "KB": 5 if classes else 4,
                                  "VB": 4, "KGRID": int(not outliers and not classes), "PF": 1, "VGRID": 0, "ROPE": rope,
                                  "TRAD": 0, "KO": outliers, "VSYM": outliers, "TT": TILED_RUN, "CS": 4, "NS": 4,
                                  "HW": 1, "KCLS": classes, "KBLO": 2 if classes else 4, "KUNI": uniform,
