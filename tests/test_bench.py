@@ -1167,6 +1167,7 @@ def test_velox_bench_decode_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         assert row["gen_vs_fp16"] == pytest.approx(row["gen_tok_s"] / rows["fp16"]["gen_tok_s"])
         # ... and its tokens one by one: the median and slowest token, the stalls
         assert 0 < row["gen_token_ms_median"] <= row["gen_token_ms_max"] and row["gen_stalls"] in (0, 1)
+        assert len(row["gen_stall_offsets"]) == row["gen_stalls"] and all(o > 257 for o in row["gen_stall_offsets"])
     assert rows["fp16"]["vs_fp16"] == 1.0
     assert rows["fp16"]["held_bytes"] >= fp16_bytes and rows["mlx-kv"]["held_bytes"] >= fp16_bytes
     assert 0 < rows["kivi:4:64"]["held_bytes"] < fp16_bytes / 2  # 4-bit codes and their scales

@@ -97,6 +97,9 @@ def test_token_latency_counts_the_stalls_a_mean_hides() -> None:
     latency = token_latency(seconds)
     assert latency["gen_token_ms_median"] == pytest.approx(10.0) and latency["gen_token_ms_max"] == pytest.approx(60.0)
     assert latency["gen_stalls"] == 1 and latency["gen_stall_ms"] == pytest.approx(50.0)
+    assert "gen_stall_offsets" not in latency
+    placed = token_latency(seconds, list(range(1000, 1128)))  # the stall is the last token, at cache length 1127
+    assert placed["gen_stall_offsets"] == [1127] and placed["gen_stalls"] == 1
     edge = token_latency([0.010] * 9 + [0.010 * STALL_FACTOR])  # exactly the factor: not a stall
     assert edge["gen_stalls"] == 0 and edge["gen_stall_ms"] == 0.0
     assert token_latency([]) == {}
