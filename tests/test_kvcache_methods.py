@@ -157,7 +157,8 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     formula at the allocated token count (compressed slots grow in 256-token steps); with every token
     compressed, 2048 tokens fill whole steps and nbytes is the formula at 2048 tokens exactly."""
     keys, values = random_kv(n_kv_heads=3, n_tokens=2048, head_dim=64, seed=18)
-    cache = filled(get_method(config.method)(config), keys, values, chunk=256)
+    cache = filled(get_method(config.method)(config), keys, values, chunk=512)
+    cache.release_room_ahead()  # what a teacher-forced evaluation does (the prefill's room ahead given back)
     assert cache.offset == 2048
     method = get_method(config.method)
     allocated = cache.allocated_tokens
@@ -184,8 +185,7 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
     """The first prefill chunk grows the compressed store to its tokens; a later chunk that grows it grows it with
     room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the next chunks are appended in place (no new buffers);
     the first decode step gives that room back: nbytes is again every array held, equal to the formula at the tokens
-    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps (which never
-    grows ahead)."""
+    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps."""
     from engine.kvcache.base import PREFILL_AHEAD_CHUNKS
 
     chunk = 1024
@@ -204,18 +204,75 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
     assert cache.capacity >= n_chunks * chunk + chunk - cache.token_block  # room for one more chunk
     assert cache.nbytes == array_bytes(cache)  # the room ahead is held, and counted
 
+    before = cache.n_compressed
     cache.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])  # a decode step
     mx.eval(cache._held_arrays())
-    assert cache.capacity == math.ceil(cache.n_compressed / method.step) * method.step
+    released = math.ceil(before / method.step) * method.step
+    # the room given back; a token that then needs a slot past it grows the store as a decode step does
+    grown = cache.n_compressed > released
+    assert cache.capacity == (cache._decode_slots_for(cache.n_compressed) if grown else released)
     assert cache.nbytes == array_bytes(cache)
     assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
 
     reference = filled(method(config), keys, values, chunk=256)
-    assert reference.capacity == cache.capacity and reference.n_compressed == cache.n_compressed
+    assert reference.n_compressed == cache.n_compressed
     held, expected = cache._compressed_view(), reference._compressed_view()
     assert held.keys() == expected.keys()
     for name in held:
         assert mx.array_equal(held[name], expected[name]), name
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        KVCacheConfig("kivi", 4, group_size=32, residual_window=32, sink_tokens=4),
+        KVCacheConfig("affine", 4),
+        KVCacheConfig("fp16"),
+    ],
+    ids=lambda config: config.describe(),
+)
+def test_a_decoding_cache_grows_with_room_and_keeps_it(config: KVCacheConfig) -> None:
+    """A decode step that finds the buffers full grows them with room for an eighth more tokens (at most
+    DECODE_GROWTH_SLOTS), not one 256-token step: a growth copies the whole history, and on a GPU each one stalled
+    mlx-lm's loop. The decode steps after it append in place (the same buffers), the room is not given back as a
+    prefill's is, and nbytes is every array held, the room included. A short cache still grows by one step."""
+    from engine.kvcache.base import DECODE_GROWTH_FRACTION, DECODE_GROWTH_SLOTS
+
+    method = get_method(config.method)
+    n_prompt, n_decoded = 4000, 700
+    keys, values = random_kv(n_kv_heads=2, n_tokens=n_prompt + n_decoded, head_dim=64, seed=23)
+    cache = method(config)
+    cache.update_and_fetch(keys[..., :n_prompt, :], values[..., :n_prompt, :])
+
+    def buffers() -> list[int]:
+        return [id(array) for array in ([*cache._store.values()] if hasattr(cache, "_store") else cache._held_arrays())]
+
+    def slots() -> int:
+        return cache.capacity if hasattr(cache, "capacity") else cache._keys.shape[-2]
+
+    def held_tokens() -> int:
+        return cache.n_compressed if hasattr(cache, "capacity") else cache.offset
+
+    growths = []
+    seen = buffers()
+    for t in range(n_prompt, n_prompt + n_decoded):
+        before = slots()
+        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+        mx.eval(cache._held_arrays())
+        if buffers() != seen and slots() > before:
+            growths.append((held_tokens(), slots()))
+        seen = buffers()
+    assert len(growths) == 1, growths  # 4,000 tokens: room for 500 more, where 256-token steps grew 3 times
+    tokens, grown_to = growths[0]
+    room = min(DECODE_GROWTH_SLOTS, tokens // DECODE_GROWTH_FRACTION)
+    assert grown_to == math.ceil((tokens + room) / method.step) * method.step and grown_to - tokens >= 500
+    assert slots() == grown_to  # kept through the later decode steps
+    assert cache.nbytes == array_bytes(cache)
+    if hasattr(cache, "capacity"):
+        assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
+
+    short = filled(method(config), keys[..., :400, :], values[..., :400, :], chunk=1)  # 400 tokens: steps of 256
+    assert (short.capacity if hasattr(short, "capacity") else short._keys.shape[-2]) == 512
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -204,7 +204,8 @@ def test_levels_make_valid_configs() -> None:
 def test_verdict_sentences() -> None:
     verdicts = {v.level.key: v for v in fit_verdicts(LLAMA_8B, 131072, 16 * GiB, prefill_chunk=128)}
     assert verdicts["4"].message == "fits at 4-bit: 4.8 GB of cache"
-    assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.2 GB")
+    # 24.5 GB: 2,048 tokens of decode room included (decode_room_bytes)
+    assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.5 GB")
     assert "17.2 GB free" in verdicts["16"].message
     odd = {v.level.key: v for v in fit_verdicts(ODD_HEADS, 1024, 16 * GiB)}
     assert odd["16"].supported and not odd["8"].supported and not odd["8"].fits
@@ -226,7 +227,7 @@ def test_working_memory_and_weights() -> None:
 def test_check_fits_refuses_before_the_os_kills_us() -> None:
     verdict = check_fits(LLAMA_8B, 131072, "4", 16 * GiB, prefill_chunk=128)
     assert verdict.fits
-    with pytest.raises(MemoryBudgetError, match=r"would need 24\.2 GB") as caught:
+    with pytest.raises(MemoryBudgetError, match=r"would need 24\.5 GB") as caught:
         check_fits(LLAMA_8B, 131072, level_by_key("16"), 16 * GiB, prefill_chunk=128)
     assert "stronger compression level" in str(caught.value)
     with pytest.raises(ConfigError):
@@ -266,7 +267,7 @@ def test_a_compressed_level_budgets_the_room_a_chunked_prefill_grows_and_the_rea
     ahead for the next chunks (prefill_room_bytes); a real cache fed the prompt chunk by chunk never holds more than
     the cache the formula gives (at the tokens rounded up to the 256-token step) plus that room."""
     from engine.kvcache import get_method
-    from engine.planning.recommend import prefill_room_bytes
+    from engine.planning.recommend import decode_room_bytes, prefill_room_bytes
 
     chunk, n_tokens = 512, 3000
     eight = level_by_key("8")
@@ -274,8 +275,15 @@ def test_a_compressed_level_budgets_the_room_a_chunked_prefill_grows_and_the_rea
     room = prefill_room_bytes(SMOLLM2, n_tokens, eight, chunk)
     assert room == cache_bytes(SMOLLM2, 3 * chunk, eight) > 0
     assert verdicts["8"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk) + room
-    assert verdicts["16"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk)  # a 16-bit cache grows no room
     assert prefill_room_bytes(SMOLLM2, chunk, eight, chunk) == 0  # one chunk: no room
+    # a decoding cache's room (an eighth of its tokens, at most 2,048): the 16-bit cache grows no prefill room
+    assert decode_room_bytes(SMOLLM2, n_tokens, "16") == cache_bytes(SMOLLM2, n_tokens // 8, "16") > 0
+    assert verdicts["16"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk) + decode_room_bytes(
+        SMOLLM2, n_tokens, "16")
+    assert decode_room_bytes(SMOLLM2, 100_000, eight) == cache_bytes(SMOLLM2, 2048, eight)
+    long = {v.level.key: v for v in fit_verdicts(SMOLLM2, 100_000, 64 * GiB, prefill_chunk=chunk)}
+    assert long["8"].working_bytes == working_bytes(SMOLLM2, 100_000, chunk) + max(
+        prefill_room_bytes(SMOLLM2, 100_000, eight, chunk), decode_room_bytes(SMOLLM2, 100_000, eight))
 
     info = replace(SMOLLM2, layers=1)
     (cache,) = KVCacheBuilder(eight.config).for_shape(ModelShape(

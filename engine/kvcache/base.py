@@ -65,9 +65,22 @@ DENSE_HISTORY_MAX_BYTES = 256 << 20
 # in 8,192-token steps, fp16 6,832 / 6,777 in the same runs (benchmarks/results/prefill-chunks-growth-step-h200.json);
 # with this room the 4-bit level prefilled at 0.80x of fp16 against 0.71x without (prefill-room-ahead-h200.json).
 # The room is given back at the first update of at most `step` tokens (a decode step: `release_room_ahead`;
-# mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that is being decoded holds its tokens
-# rounded up to `step`, as before; nbytes counts the room while it is held.
+# mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that starts decoding holds its tokens
+# rounded up to `step` until a decode step grows it (DECODE_GROWTH_SLOTS); nbytes counts the room while it is held.
 PREFILL_AHEAD_CHUNKS = 3
+# A decode step that finds its buffers full grows them with room for an eighth of the tokens they hold, at most
+# DECODE_GROWTH_SLOTS (rounded up to `step`, as every growth), where it grew them by `step` before. Every growth
+# allocates new buffers for the whole history and copies it over: in mlx-lm's loop on an H200 the token that grew
+# them took 60-200 ms where the others took 9-15 (decode-stalls-h200.json: each 128-step window crossing a multiple of
+# 256 tokens had one such stall, the 16-bit cache's included), and one growth by 4,096 slots cost what one by 256 did
+# (growth-stall-h200.json; the allocation as much as the copy). Over 384 steps (decode-growth-room-h200.json) the
+# 16-bit cache's stalls went from 2-3 to none and the 4-bit level's stalled time from 248 to 124 ms at 32k and from
+# 411 to 80 ms at 131k (its remaining stalls fall on key-block encodes, cause not yet known). A short cache grows as
+# before (an eighth of 2,048 tokens is one step). The room is at most min(DECODE_GROWTH_SLOTS, tokens /
+# DECODE_GROWTH_FRACTION) + `step` slots; nbytes counts it, and engine.planning.recommend budgets it
+# (`decode_room_bytes`).
+DECODE_GROWTH_SLOTS = 2048
+DECODE_GROWTH_FRACTION = 8
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
 
@@ -335,6 +348,11 @@ class VeloxKVCache(_BaseCache):
         """Token slots a buffer grown to hold `tokens` tokens allocates: `tokens` rounded up to `step`."""
         return math.ceil(tokens / self.step) * self.step
 
+    def _decode_slots_for(self, tokens: int) -> int:
+        """Token slots a buffer grown by a decode step to hold `tokens` allocates: room for an eighth more, at most
+        DECODE_GROWTH_SLOTS, rounded up to `step`."""
+        return self._slots_for(tokens + min(DECODE_GROWTH_SLOTS, tokens // DECODE_GROWTH_FRACTION))
+
 
 def _grow_to(array: mx.array | None, used: int, capacity: int, like: mx.array) -> mx.array:
     """A buffer of `capacity` tokens on axis -2, keeping the first `used` tokens of `array`."""
@@ -379,6 +397,8 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         self._window_values: mx.array | None = None
         self._store: dict[str, mx.array] | None = None
         self._n_compressed = 0
+        # Whether the store's last growth was a decode step's (its room is kept: see `release_room_ahead`).
+        self._grown_by_decode = False
         # (store, config, rows, device, DecodePlan or None) of the last decode step (see `_decode_plan`).
         self._plan_cache: tuple[Any, ...] | None = None
 
@@ -695,17 +715,22 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         return neutral(keys), neutral(values)
 
     def _grown_capacity(self, needed: int, n_new: int) -> int:
-        """Compressed token slots to grow to for `needed` tokens, `n_new` of them new: rounded up to `step`, with
-        room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a prefill chunk's after the first (a prompt
-        prefilled in one call holds exactly its tokens)."""
+        """Compressed token slots to grow to for `needed` tokens, `n_new` of them new (and records which kind of
+        growth it is): rounded up to `step`, with room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a
+        prefill chunk's after the first (a prompt prefilled in one call holds exactly its tokens); with a decode step's room
+        (`_decode_slots_for`) where the store exists and at most `step` tokens arrive (a decode step's block)."""
+        self._grown_by_decode = n_new <= self.step and self._store is not None
+        if self._grown_by_decode:
+            return self._decode_slots_for(needed)
         ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0
         return self._slots_for(needed + ahead)
 
     def release_room_ahead(self) -> None:
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
         tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself; a caller that
-        reads `nbytes` after a prefill it never decodes from (a teacher-forced evaluation) calls it."""
-        if self._store is None:
+        reads `nbytes` after a prefill it never decodes from (a teacher-forced evaluation) calls it. The room a
+        decode step grew (`_decode_slots_for`) is kept: the next decode steps fill it."""
+        if self._store is None or self._grown_by_decode:
             return
         keep = max(self.step, self._slots_for(self._n_compressed))
         if self.capacity > keep:

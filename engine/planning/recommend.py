@@ -17,7 +17,9 @@ Memory model (all in bytes; `fit_verdicts` reports each term so the app can show
                     chunk (prefill_chunk x vocab x 4 bytes; mlx-lm computes logits for every position);
                     at a compressed level, when the prompt takes more than one chunk, also the room its store
                     grows ahead for the next chunks (engine.kvcache.base.PREFILL_AHEAD_CHUNKS chunks of
-                    compressed tokens, given back at the first decode step: `prefill_room_bytes`).
+                    compressed tokens, given back at the first decode step: `prefill_room_bytes`); or, the
+                    larger of the two, the room a decoding cache grows past its tokens (an eighth of them, at
+                    most engine.kvcache.base.DECODE_GROWTH_SLOTS: `decode_room_bytes`), at every level.
 
 At long contexts the scores of a prefill chunk can outweigh the cache itself (Llama-3.1-8B at 128k tokens
 with 512-token chunks: 8.6 GB), so `prefill_chunk` is a parameter: a smaller chunk is the cheap way to fit.
@@ -32,7 +34,12 @@ from dataclasses import dataclass
 
 from engine.chat.session import GenerationSettings
 from engine.errors import ConfigError, MemoryBudgetError, ModelError
-from engine.kvcache.base import PREFILL_AHEAD_CHUNKS, SegmentedKVCache
+from engine.kvcache.base import (
+    DECODE_GROWTH_FRACTION,
+    DECODE_GROWTH_SLOTS,
+    PREFILL_AHEAD_CHUNKS,
+    SegmentedKVCache,
+)
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import get_method
 from engine.models.catalog import ModelInfo
@@ -260,6 +267,15 @@ def prefill_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel |
     return cache_bytes(info, PREFILL_AHEAD_CHUNKS * chunk, level)
 
 
+def decode_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str) -> int:
+    """Bytes of the room a cache of `n_tokens` tokens at `level` holds past them once decoding grew its buffers: room
+    for an eighth more tokens, at most DECODE_GROWTH_SLOTS (engine.kvcache.base; the 16-bit cache's too). Never held
+    at once with a prefill's room ahead (a decode step gives that back before it grows)."""
+    if n_tokens <= 0:
+        return 0
+    return cache_bytes(info, min(DECODE_GROWTH_SLOTS, n_tokens // DECODE_GROWTH_FRACTION), level)
+
+
 def resident_weights_bytes(info: ModelInfo, *, fp32_weights: bool = False) -> int:
     """Bytes the weights occupy once loaded: their size on disk, or parameters x 4 when the loader expands
     them to fp32 (the Linux CPU fast path: engine.runtime.cpu.weights.prefer_fp32_weights())."""
@@ -276,7 +292,7 @@ class FitVerdict:
     n_tokens: int
     cache_bytes: int  # 0 when the level is not supported
     weights_bytes: int
-    working_bytes: int  # working_bytes() + prefill_room_bytes() at this level
+    working_bytes: int  # working_bytes() + the larger of prefill_room_bytes() and decode_room_bytes() at this level
     needed_bytes: int  # weights + cache + working memory
     budget_bytes: int  # safety_fraction x available
     available_bytes: int
@@ -322,7 +338,8 @@ def fit_verdicts(
         )
         try:
             cache = cache_bytes(info, n_tokens, level)
-            level_working = working + prefill_room_bytes(info, n_tokens, level, prefill_chunk)
+            level_working = working + max(prefill_room_bytes(info, n_tokens, level, prefill_chunk),
+                                          decode_room_bytes(info, n_tokens, level))
         except ConfigError as error:
             message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
             verdicts.append(FitVerdict(**common, working_bytes=working, cache_bytes=0, needed_bytes=0, supported=False,

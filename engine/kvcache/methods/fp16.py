@@ -100,7 +100,9 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         needed = previous + keys.shape[-2]
         dtype = self._storage_dtype()
         if self._keys is None or needed > self._keys.shape[-2]:
-            capacity = self._slots_for(needed)
+            # a decode step's growth leaves room for more (base.DECODE_GROWTH_SLOTS: a growth copies the whole history)
+            decoding = self._keys is not None and keys.shape[-2] <= self.step
+            capacity = self._decode_slots_for(needed) if decoding else self._slots_for(needed)
             self._keys = _grow_to(self._keys, previous, capacity, like=keys.astype(dtype))
             self._values = _grow_to(self._values, previous, capacity, like=values.astype(dtype))
         self._keys[..., previous:needed, :] = keys
