@@ -13,7 +13,9 @@ Its CUPTI tracing records every CUDA kernel of the process, MLX's included, with
 Per spec and mode (`step`, `loop`), per step: `wall_ms` (host time), `busy_ms` (the union of the kernels' intervals:
 the GPU at work), `idle_ms` (wall less busy: the GPU waiting for the host to record, encode and launch), `kernels`
 (launches), and `by_kernel`: calls and ms by kernel (MLX's names shortened to the function, Velox's kernels as
-`velox_*`). A GPU tool that needs torch with CUDA beside MLX's CUDA build (the lent machine has both); on a CPU it
+`velox_*`); over the whole record, `gaps` (the longest stretches with the GPU idle, with the kernels either side)
+and `longest` (the longest single launches). `--loop-steps 300` records a loop long enough to cross key-block
+encodes and a growth of the buffers (`loop_from`: the cache's length when it starts). A GPU tool that needs torch with CUDA beside MLX's CUDA build (the lent machine has both); on a CPU it
 says so and stops. The aggregation (`summarize`) is plain Python and tested on its own.
 """
 
@@ -66,6 +68,37 @@ def busy_time(events: Iterable[Event]) -> float:
     return total
 
 
+def idle_gaps(events: Iterable[Event], top: int = 5) -> list[dict[str, Any]]:
+    """The `top` longest stretches with no kernel running, longest first: each one's length (ms), where it starts
+    (ms after the first kernel) and the kernels on either side (the one that ended it last, the one after). A host
+    stall inside a loop of steps shows here as one gap far longer than the rest, and its neighbours say in which part
+    of a step it fell."""
+    ordered = sorted(events, key=lambda e: e[1])
+    if not ordered:
+        return []
+    first = ordered[0][1]
+    found = []
+    end_name, end = ordered[0][0], ordered[0][2]
+    for name, begin, finish in ordered[1:]:
+        if begin > end:
+            found.append({"ms": (begin - end) / 1000, "at_ms": (end - first) / 1000, "after": short_name(end_name),
+                          "before": short_name(name)})
+        if finish > end:
+            end_name, end = name, finish
+    return sorted(found, key=lambda gap: -gap["ms"])[:top]
+
+
+def longest_kernels(events: Iterable[Event], top: int = 5) -> list[dict[str, Any]]:
+    """The `top` longest single launches, longest first: name, ms and start (ms after the first kernel)."""
+    ordered = sorted(events, key=lambda e: e[1])
+    if not ordered:
+        return []
+    first = ordered[0][1]
+    ranked = sorted(ordered, key=lambda e: e[1] - e[2])[:top]
+    return [{"name": short_name(name), "ms": (finish - begin) / 1000, "at_ms": (begin - first) / 1000}
+            for name, begin, finish in ranked]
+
+
 def summarize(events: list[Event], steps: int, wall_s: float) -> dict[str, Any]:
     """Per-step figures of `steps` steps whose kernels are `events`, run in `wall_s` seconds of host time."""
     busy_ms = busy_time(events) / 1000 / steps
@@ -80,6 +113,7 @@ def summarize(events: list[Event], steps: int, wall_s: float) -> dict[str, Any]:
         "wall_ms": wall_ms, "busy_ms": busy_ms, "idle_ms": max(wall_ms - busy_ms, 0.0),
         "kernels": len(events) / steps,
         "by_kernel": {name: {"calls": calls / steps, "ms": us / 1000 / steps} for name, (calls, us) in ranked},
+        "gaps": idle_gaps(events), "longest": longest_kernels(events),
     }
 
 
@@ -108,8 +142,9 @@ def profiled(run: Any, steps: int) -> dict[str, Any]:
     return summarize(events, steps, wall)
 
 
-def timeline(model: Any, spec: str, context: int, steps: int, shape: dict[str, Any]) -> dict[str, Any]:
-    """The `step` and `loop` summaries of one spec at one context."""
+def timeline(model: Any, spec: str, context: int, steps: int, shape: dict[str, Any],
+             loop_steps: int | None = None) -> dict[str, Any]:
+    """The `step` and `loop` summaries of one spec at one context (`loop_steps` tokens of the loop, else `steps`)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -124,16 +159,19 @@ def timeline(model: Any, spec: str, context: int, steps: int, shape: dict[str, A
         def synchronous() -> None:
             time_decode(model, caches, steps=steps, warmup=0)
 
-        def loop() -> None:
+        tokens = loop_steps or steps
+
+        def loop(count: int = tokens) -> None:
             prompt = mx.array([128], dtype=mx.int32)
-            for _ in generate_step(prompt, model, max_tokens=steps, prompt_cache=caches):
+            for _ in generate_step(prompt, model, max_tokens=count, prompt_cache=caches):
                 pass
             mx.synchronize()
 
-        loop()  # the loop's own first tokens (its prompt step, compiled sampling) outside the record
+        loop(steps)  # the loop's own first tokens (its prompt step, compiled sampling) outside the record
         row["step"] = profiled(synchronous, steps)
-        # The loop's first token is its prompt's step, one more forward pass than tokens: steps + 1 passes.
-        row["loop"] = profiled(loop, steps + 1)
+        # The loop's first token is its prompt's step, one more forward pass than tokens: tokens + 1 passes.
+        row["loop_from"] = int(caches[0].offset)
+        row["loop"] = profiled(loop, tokens + 1)
     return row
 
 
@@ -142,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", default="fp16", help="comma-separated cache specs (decode.py's)")
     parser.add_argument("--context", type=int, default=8193)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--loop-steps", type=int, help="tokens of mlx-lm's loop recorded (default: --steps); "
+                        "over 128 they cross key-block encodes and the buffers' growth")
     parser.add_argument("--shape", choices=("8b", "tiny"), default="8b")
     parser.add_argument("--top", type=int, default=12, help="kernels printed per row")
     parser.add_argument("--out", type=Path)
@@ -159,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(shape)
     rows = []
     for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
-        row = timeline(model, spec, args.context, args.steps, shape)
+        row = timeline(model, spec, args.context, args.steps, shape, args.loop_steps)
         rows.append(row)
         for mode in ("step", "loop"):
             figures = row[mode]
@@ -167,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"idle {figures['idle_ms']:.2f}, {figures['kernels']:.0f} kernels", flush=True)
             for name, entry in list(figures["by_kernel"].items())[: args.top]:
                 print(f"    {entry['ms']:7.3f} ms  {entry['calls']:5.0f}x  {name}")
+            for gap in figures["gaps"][:3]:
+                print(f"    idle {gap['ms']:.2f} ms at {gap['at_ms']:.1f} ms, after {gap['after']}, before {gap['before']}")
         if args.out:
             args.out.write_text(json.dumps({"context": args.context, "steps": args.steps, "rows": rows}, indent=1) + "\n")
     return 0

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from benchmarks import decode
-from benchmarks.gpu_timeline import busy_time, short_name, summarize
+from benchmarks.gpu_timeline import busy_time, idle_gaps, longest_kernels, short_name, summarize
 from benchmarks.launch_count import count_operations, step_operations
 from benchmarks.update_profile import profile
 
@@ -75,6 +75,18 @@ def test_a_timeline_summary_is_per_step_and_ranks_kernels_by_time() -> None:
     assert summary["kernels"] == 2.0
     assert list(summary["by_kernel"]) == ["rms_norm", "velox_decode_merge"]
     assert summary["by_kernel"]["rms_norm"] == {"calls": 1.0, "ms": 1.5}
+    assert summary["gaps"] == [{"ms": 8.5, "at_ms": 1.5, "after": "velox_decode_merge", "before": "rms_norm"}]
+    assert summary["longest"][0] == {"name": "rms_norm", "ms": 2.0, "at_ms": 10.0}
+
+
+def test_idle_gaps_are_measured_from_the_latest_end_so_far() -> None:
+    """A kernel that ends inside a longer one opens no gap; the gap after both runs from the longer one's end; the
+    longest gap comes first."""
+    events = [("a", 0.0, 5000.0), ("b", 1000.0, 2000.0), ("c", 6000.0, 7000.0), ("d", 9000.0, 9500.0)]
+    gaps = idle_gaps(events)
+    assert [(g["ms"], g["after"], g["before"]) for g in gaps] == [(2.0, "c", "d"), (1.0, "a", "c")]
+    assert gaps[0]["at_ms"] == 7.0 and idle_gaps([]) == [] and idle_gaps(events, top=1) == gaps[:1]
+    assert [k["name"] for k in longest_kernels(events, top=2)] == ["a", "b"]
 
 
 def test_kernel_phase_cuts_still_find_their_text_in_the_tiled_pass() -> None:
