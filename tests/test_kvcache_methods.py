@@ -235,7 +235,8 @@ def test_a_decoding_cache_grows_with_room_and_keeps_it(config: KVCacheConfig) ->
     """A decode step that finds the buffers full grows them with room for an eighth more tokens (at most
     DECODE_GROWTH_SLOTS), not one 256-token step: a growth copies the whole history, and on a GPU each one stalled
     mlx-lm's loop. The decode steps after it append in place (the same buffers), the room is not given back as a
-    prefill's is, and nbytes is every array held, the room included. A short cache still grows by one step."""
+    prefill's is, and nbytes is every array held, the room included; room a trim frees past a decode step's room is
+    given back at the next step. A short cache still grows by one step."""
     from engine.kvcache.base import DECODE_GROWTH_FRACTION, DECODE_GROWTH_SLOTS
 
     method = get_method(config.method)
@@ -270,6 +271,13 @@ def test_a_decoding_cache_grows_with_room_and_keeps_it(config: KVCacheConfig) ->
     assert cache.nbytes == array_bytes(cache)
     if hasattr(cache, "capacity"):
         assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
+
+    if hasattr(cache, "capacity"):  # a trim's freed room goes back at the next decode step, down to a decode room
+        cache.trim(1500)
+        cache.update_and_fetch(keys[..., :1, :], values[..., :1, :])
+        mx.eval(cache._held_arrays())
+        assert cache.capacity == cache._decode_slots_for(cache.n_compressed) < grown_to - 1000
+        assert cache.nbytes == array_bytes(cache)
 
     short = filled(method(config), keys[..., :400, :], values[..., :400, :], chunk=1)  # 400 tokens: steps of 256
     assert (short.capacity if hasattr(short, "capacity") else short._keys.shape[-2]) == 512

@@ -717,8 +717,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
     def _grown_capacity(self, needed: int, n_new: int) -> int:
         """Compressed token slots to grow to for `needed` tokens, `n_new` of them new (and records which kind of
         growth it is): rounded up to `step`, with room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a
-        prefill chunk's after the first (a prompt prefilled in one call holds exactly its tokens); with a decode step's room
-        (`_decode_slots_for`) where the store exists and at most `step` tokens arrive (a decode step's block)."""
+        prefill chunk's after the first (a prompt prefilled in one call holds exactly its tokens); with a decode
+        step's room (`_decode_slots_for`) where the store exists and at most `step` tokens arrive (a decode step's
+        block)."""
         self._grown_by_decode = n_new <= self.step and self._store is not None
         if self._grown_by_decode:
             return self._decode_slots_for(needed)
@@ -729,10 +730,12 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
         tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself; a caller that
         reads `nbytes` after a prefill it never decodes from (a teacher-forced evaluation) calls it. The room a
-        decode step grew (`_decode_slots_for`) is kept: the next decode steps fill it."""
-        if self._store is None or self._grown_by_decode:
+        decode step grew is kept, as far as such a growth leaves it (`_decode_slots_for`): the next decode steps
+        fill it; what a trim freed beyond that is given back too."""
+        if self._store is None:
             return
-        keep = max(self.step, self._slots_for(self._n_compressed))
+        slots = self._decode_slots_for if self._grown_by_decode else self._slots_for
+        keep = max(self.step, slots(self._n_compressed))
         if self.capacity > keep:
             self._store = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
 
