@@ -3,8 +3,8 @@
     python benchmarks/growth_stall.py --out growth_stall.json [--context 32768] [--growths 4]
 
 decode.py's per-token record of mlx-lm's loop (`gen_stall_offsets`) put one stall of 50-200 ms in every 128-step
-window that crosses a multiple of 256 tokens, for mlx-lm's 16-bit KVCache and for every Velox level alike: that is
-where a cache's buffers grow (mlx-lm's KVCache concatenates 256 more slots; a compressed store copies into buffers
+window that crosses a multiple of 256 tokens, for Velox's 16-bit cache and every level alike (and mlx-lm's KVCache in
+a longer run): that is where a cache's buffers grow (mlx-lm's KVCache concatenates 256 more slots; a compressed store copies into buffers
 256 slots longer). This times the parts of one growth of 32 layers' arrays (the 8B shape: 8 kv heads, head_dim
 128, keys and values in bfloat16, so 64 arrays), each evaluated alone and synchronized:
 
