@@ -236,7 +236,7 @@ def test_a_decoding_cache_grows_with_room_and_keeps_it(config: KVCacheConfig) ->
     DECODE_GROWTH_SLOTS), not one 256-token step: a growth copies the whole history, and on a GPU each one stalled
     mlx-lm's loop. The decode steps after it append in place (the same buffers), the room is not given back as a
     prefill's is, and nbytes is every array held, the room included; room a trim frees past a decode step's room is
-    given back at the next step. A short cache still grows by one step."""
+    given back at the next step. A short cache still grows by one step, and one fed 64-token chunks as a prefill."""
     from engine.kvcache.base import DECODE_GROWTH_FRACTION, DECODE_GROWTH_SLOTS
 
     method = get_method(config.method)
@@ -278,6 +278,12 @@ def test_a_decoding_cache_grows_with_room_and_keeps_it(config: KVCacheConfig) ->
         mx.eval(cache._held_arrays())
         assert cache.capacity == cache._decode_slots_for(cache.n_compressed) < grown_to - 1000
         assert cache.nbytes == array_bytes(cache)
+
+    # 64-token chunks (the quality harness's) are a prefill, however short: no decode room, their bytes as before
+    chunked = filled(method(config), keys[..., :n_prompt, :], values[..., :n_prompt, :], chunk=64)
+    held = chunked.n_compressed if hasattr(chunked, "capacity") else chunked.offset
+    assert (chunked.capacity if hasattr(chunked, "capacity") else chunked._keys.shape[-2]) == (
+        math.ceil(held / method.step) * method.step)
 
     short = filled(method(config), keys[..., :400, :], values[..., :400, :], chunk=1)  # 400 tokens: steps of 256
     assert (short.capacity if hasattr(short, "capacity") else short._keys.shape[-2]) == 512

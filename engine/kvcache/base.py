@@ -81,6 +81,10 @@ PREFILL_AHEAD_CHUNKS = 3
 # (`decode_room_bytes`).
 DECODE_GROWTH_SLOTS = 2048
 DECODE_GROWTH_FRACTION = 8
+# An update of at most this many tokens is a decode step for the growth above (mlx-lm's loop feeds one token a step,
+# speculative decoding a few); a longer one is a prefill chunk, however short (the quality harness feeds 64 tokens at
+# a time, and its caches' bytes stay those of a prefill).
+DECODE_STEP_TOKENS = 16
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
 
@@ -397,7 +401,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         self._window_values: mx.array | None = None
         self._store: dict[str, mx.array] | None = None
         self._n_compressed = 0
-        # Whether the store's last growth was a decode step's (its room is kept: see `release_room_ahead`).
+        # Whether the update being stored is a decode step's (DECODE_STEP_TOKENS), and whether the store's last growth
+        # was one's (its room is kept: see `release_room_ahead`).
+        self._decoding = False
         self._grown_by_decode = False
         # (store, config, rows, device, DecodePlan or None) of the last decode step (see `_decode_plan`).
         self._plan_cache: tuple[Any, ...] | None = None
@@ -646,6 +652,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             # Our caches only work through the hook; install it on first use (see attention.py).
             _attention.install_attention_dispatch()
         n_new = keys.shape[-2]
+        self._decoding = n_new <= DECODE_STEP_TOKENS
         if n_new <= self.step:  # decoding (not a prefill chunk): no more room ahead needed
             self.release_room_ahead()
         if self._encodes_directly():
@@ -718,9 +725,9 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         """Compressed token slots to grow to for `needed` tokens, `n_new` of them new (and records which kind of
         growth it is): rounded up to `step`, with room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a
         prefill chunk's after the first (a prompt prefilled in one call holds exactly its tokens); with a decode
-        step's room (`_decode_slots_for`) where the store exists and at most `step` tokens arrive (a decode step's
-        block)."""
-        self._grown_by_decode = n_new <= self.step and self._store is not None
+        step's room (`_decode_slots_for`) where the store exists and the update is a decode step's (the block it
+        completes may be longer: KIVI's 128 tokens)."""
+        self._grown_by_decode = self._decoding and self._store is not None
         if self._grown_by_decode:
             return self._decode_slots_for(needed)
         ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from engine.errors import ConfigError
 from engine.kvcache.attention import AttendsOverOwnStorage, install_attention_dispatch
-from engine.kvcache.base import VeloxKVCache, _grow_to, sixteen_bit_dtype
+from engine.kvcache.base import DECODE_STEP_TOKENS, VeloxKVCache, _grow_to, sixteen_bit_dtype
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import register_method
 from engine.runtime.cpu import attention as cpu_attention
@@ -101,7 +101,7 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         dtype = self._storage_dtype()
         if self._keys is None or needed > self._keys.shape[-2]:
             # a decode step's growth leaves room for more (base.DECODE_GROWTH_SLOTS: a growth copies the whole history)
-            decoding = self._keys is not None and keys.shape[-2] <= self.step
+            decoding = self._keys is not None and keys.shape[-2] <= DECODE_STEP_TOKENS
             capacity = self._decode_slots_for(needed) if decoding else self._slots_for(needed)
             self._keys = _grow_to(self._keys, previous, capacity, like=keys.astype(dtype))
             self._values = _grow_to(self._values, previous, capacity, like=values.astype(dtype))
