@@ -157,8 +157,7 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
     formula at the allocated token count (compressed slots grow in 256-token steps); with every token
     compressed, 2048 tokens fill whole steps and nbytes is the formula at 2048 tokens exactly."""
     keys, values = random_kv(n_kv_heads=3, n_tokens=2048, head_dim=64, seed=18)
-    cache = filled(get_method(config.method)(config), keys, values, chunk=512)
-    cache.release_room_ahead()  # what a teacher-forced evaluation does (the prefill's room ahead given back)
+    cache = filled(get_method(config.method)(config), keys, values, chunk=256)
     assert cache.offset == 2048
     method = get_method(config.method)
     allocated = cache.allocated_tokens
@@ -185,7 +184,8 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
     """The first prefill chunk grows the compressed store to its tokens; a later chunk that grows it grows it with
     room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the next chunks are appended in place (no new buffers);
     the first decode step gives that room back: nbytes is again every array held, equal to the formula at the tokens
-    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps."""
+    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps (which never
+    grows ahead)."""
     from engine.kvcache.base import PREFILL_AHEAD_CHUNKS
 
     chunk = 1024
@@ -215,7 +215,7 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
     assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
 
     reference = filled(method(config), keys, values, chunk=256)
-    assert reference.n_compressed == cache.n_compressed
+    assert reference.capacity == cache.capacity and reference.n_compressed == cache.n_compressed
     held, expected = cache._compressed_view(), reference._compressed_view()
     assert held.keys() == expected.keys()
     for name in held:
