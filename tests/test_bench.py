@@ -775,14 +775,22 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(sketch[2], by_path[()]["prefill_tok_s"] / run_fp16)
     checked.append(sketch[0])
 
+    def check_level_ratios(run: dict, context: int, ratios: list[str] | tuple[str, ...], name: str) -> None:
+        """The 4-, 3- and 2-bit levels' loop ratios to fp16 quoted at `context`, against their rows of `run`."""
+        levels = [r for r in run["rows"] if r["context"] == context and r["spec"].startswith("kivi:")]
+        for key, text, row in zip(("4", "3", "2"), ratios, levels, strict=True):
+            _assert_gpu_level(row, key)
+            assert close(text, row["gen_vs_fp16"]), (name, context, key)
+
     loop = re.search(r"In mlx-lm's own decode loop, the one the app runs, over 128 tokens \(a key block's cycle\): on an "
                      r"H200 the 4-, 3- and\s+2-bit levels decoded at (\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× of the "
                      r"16-bit cache's tokens per second at (\d),(\d\d\d) tokens, (\d\.\d\d)×, (\d\.\d\d)×\s+and "
                      r"(\d\.\d\d)× at (\d\d),(\d\d\d) and (\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× at (\d\d\d),(\d\d\d) "
                      r"\(`benchmarks/results/decode-long-tile-h200.json`\); a second\s+run, in another lease, had "
                      r"(\d\.\d\d)×, (\d\.\d\d)× and (\d\.\d\d)× at (\d\d),(\d\d\d) "
-                     r"\(`benchmarks/results/decode-long-tile-r2-h200.json`\):\s+the ratios move between "
-                     r"leases \(below\)\. At long contexts the GPU is the bound, and the levels' decode kernel\s+decides: on CUDA it "
+                     r"\(`benchmarks/results/decode-long-tile-r2-h200.json`\):\s+the ratios move between leases "
+                     r"\(below\)\. At long contexts the GPU is the bound, and the levels' decode kernel\s+decides: "
+                     r"on CUDA it "
                      r"now takes (\d+)-token tiles from (\d+)k tokens, and the 4-bit level's takes (\d\.\d\d) ms for 32 "
                      r"layers at\s+(\d\d\d),(\d\d\d) tokens against (\d\.\d\d) ms with (\d+)-token tiles "
                      r"\(`benchmarks/results/gpu-timeline-tile128-131k-h200.json`;\s+BENCHMARKS.md, \*round 25\*\), still "
@@ -795,11 +803,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
         assert run["steps"] == 128 and not run["kernel_constants"]
         for _ in range(runs):
             ratios = [next(quoted) for _ in range(3)]
-            context = int(next(quoted) + next(quoted))
-            levels = [r for r in run["rows"] if r["context"] == context and r["spec"].startswith("kivi:")]
-            for key, text, row in zip(("4", "3", "2"), ratios, levels, strict=True):
-                _assert_gpu_level(row, key)
-                assert close(text, row["gen_vs_fp16"]), (name, context, key)
+            check_level_ratios(run, int(next(quoted) + next(quoted)), ratios, name)
     from engine.kvcache.kernels.decode import TILED_LONG_TILES, TILED_MAX_TILE
 
     long_tile, _, long_from = TILED_LONG_TILES["cuda"]
@@ -840,29 +844,27 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     from engine.kvcache.base import DECODE_GROWTH_FRACTION, DECODE_GROWTH_SLOTS, VeloxKVCache
 
     assert DECODE_GROWTH_FRACTION == 8 and close(room[1], DECODE_GROWTH_SLOTS) and close(room[2], VeloxKVCache.step)
-    stalled = json.loads((COMMITTED / "decode-stalls-h200.json").read_text())["rows"]
-    assert close(room[3], min(r["gen_token_ms_max"] for r in stalled))
-    assert close(room[4], max(r["gen_token_ms_max"] for r in stalled))
+    stalled = json.loads((COMMITTED / "decode-stalls-h200.json").read_text())
+    assert close(room[3], min(r["gen_token_ms_max"] for r in stalled["rows"]))
+    assert close(room[4], max(r["gen_token_ms_max"] for r in stalled["rows"]))
     grown = json.loads((COMMITTED / "decode-growth-room-h200.json").read_text())
-    assert close(room[5], grown["steps"])
-    old_growth = {"DECODE_GROWTH_SLOTS": 0}
-    at = {(r["spec"].split("#")[0], bool(r.get("kernel_constants") == old_growth)): r for r in grown["rows"]
-          if r["context"] == int(room[6].replace(",", ""))}
+    assert close(room[5], grown["steps"]) and close(room[22], grown["steps"])
+
+    def grown_at(context: str) -> dict[tuple[str, bool], dict]:
+        """decode-growth-room's rows at `context` by (spec, whether it is the old growth's variant)."""
+        return {(r["spec"].split("#")[0], r.get("kernel_constants") == {"DECODE_GROWTH_SLOTS": 0}): r
+                for r in grown["rows"] if r["context"] == int(context.replace(",", ""))}
+
+    at = grown_at(room[6])
     level4 = next(spec for spec, _ in at if spec.startswith("kivi:k4v4"))
     _assert_gpu_level(at[level4, False], "4")
     assert close(room[7], at["fp16", True]["gen_stalls"]) and close(room[8], at["fp16", False]["gen_stalls"])
     assert close(room[9], at[level4, True]["gen_stall_ms"]) and close(room[10], at[level4, False]["gen_stall_ms"])
-    run = json.loads((COMMITTED / "decode-stalls-h200.json").read_text())
-    assert not run["kernel_constants"] and close(room[19], run["steps"])
+    assert not stalled["kernel_constants"] and close(room[19], stalled["steps"])
     for first in (11, 15):
-        context = int(room[first + 3].replace(",", ""))
-        levels = [r for r in run["rows"] if r["context"] == context and r["spec"].startswith("kivi:")]
-        for key, text, row in zip(("4", "3", "2"), room.groups()[first - 1:first + 2], levels, strict=True):
-            _assert_gpu_level(row, key)
-            assert close(text, row["gen_vs_fp16"]), (context, key)
-    at32 = {(r["spec"].split("#")[0], bool(r.get("kernel_constants"))): r for r in grown["rows"]
-            if r["context"] == int(room[21].replace(",", ""))}
-    assert close(room[22], grown["steps"]) and close(room[20], at32[level4, False]["gen_vs_fp16"])
+        check_level_ratios(stalled, int(room[first + 3].replace(",", "")), room.groups()[first - 1:first + 2],
+                           "decode-stalls-h200.json")
+    assert close(room[20], grown_at(room[21])[level4, False]["gen_vs_fp16"])
     checked.append(room[0])
 
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
