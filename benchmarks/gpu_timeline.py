@@ -90,11 +90,11 @@ def idle_gaps(events: Iterable[Event], top: int = 5) -> list[dict[str, Any]]:
 
 def longest_kernels(events: Iterable[Event], top: int = 5) -> list[dict[str, Any]]:
     """The `top` longest single launches, longest first: name, ms and start (ms after the first kernel)."""
-    ordered = sorted(events, key=lambda e: e[1])
-    if not ordered:
+    events = list(events)
+    if not events:
         return []
-    first = ordered[0][1]
-    ranked = sorted(ordered, key=lambda e: e[1] - e[2])[:top]
+    first = min(begin for _, begin, _ in events)
+    ranked = sorted(events, key=lambda e: (e[1] - e[2], e[1]))[:top]
     return [{"name": short_name(name), "ms": (finish - begin) / 1000, "at_ms": (begin - first) / 1000}
             for name, begin, finish in ranked]
 
