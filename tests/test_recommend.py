@@ -204,8 +204,9 @@ def test_levels_make_valid_configs() -> None:
 def test_verdict_sentences() -> None:
     verdicts = {v.level.key: v for v in fit_verdicts(LLAMA_8B, 131072, 16 * GiB, prefill_chunk=128)}
     assert verdicts["4"].message == "fits at 4-bit: 4.8 GB of cache"
-    # 24.5 GB: 2,048 tokens of decode room included (decode_room_bytes)
-    assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 24.5 GB")
+    # 25.0 GB: 2,048 tokens of decode room (decode_room_bytes) and one layer's old buffers while a growth copies them
+    # (growth_copy_bytes: 17.2 GB / 32 layers) included
+    assert verdicts["16"].message.startswith("does not fit at Off (16-bit): needs 25.0 GB")
     assert "17.2 GB free" in verdicts["16"].message
     odd = {v.level.key: v for v in fit_verdicts(ODD_HEADS, 1024, 16 * GiB)}
     assert odd["16"].supported and not odd["8"].supported and not odd["8"].fits
@@ -227,7 +228,7 @@ def test_working_memory_and_weights() -> None:
 def test_check_fits_refuses_before_the_os_kills_us() -> None:
     verdict = check_fits(LLAMA_8B, 131072, "4", 16 * GiB, prefill_chunk=128)
     assert verdict.fits
-    with pytest.raises(MemoryBudgetError, match=r"would need 24\.5 GB") as caught:
+    with pytest.raises(MemoryBudgetError, match=r"would need 25\.0 GB") as caught:
         check_fits(LLAMA_8B, 131072, level_by_key("16"), 16 * GiB, prefill_chunk=128)
     assert "stronger compression level" in str(caught.value)
     with pytest.raises(ConfigError):
@@ -243,8 +244,8 @@ def test_a_gpu_prefills_in_the_largest_chunk_that_still_fits() -> None:
     assert prefill_chunk_for(SMOLLM2, 8192, "3", 16 * GiB, gpu=True) == 2048
     assert prefill_chunk_for(SMOLLM2, 8192, "3", 16 * GiB, gpu=False) == 512
     # Llama-3.1-8B at 128k tokens, 4-bit level: a chunk's fp32 scores are 8.6 GB at 512 tokens, 34 GB at 2,048
-    chosen = {free: prefill_chunk_for(LLAMA_8B, 131072, "4", free * GiB, gpu=True) for free in (24, 32, 64)}
-    assert chosen == {24: 512, 32: 1024, 64: 2048}
+    chosen = {free: prefill_chunk_for(LLAMA_8B, 131072, "4", free * GiB, gpu=True) for free in (24, 34, 64)}
+    assert chosen == {24: 512, 34: 1024, 64: 2048}
     for free, chunk in chosen.items():
         assert check_fits(LLAMA_8B, 131072, "4", free * GiB, prefill_chunk=chunk).fits
         for larger in (size for size in GPU_PREFILL_CHUNKS if size > chunk):
@@ -262,40 +263,51 @@ def test_model_without_a_shape_is_an_error() -> None:
         cache_bytes(broken, 1024, "16")
 
 
-def test_a_compressed_level_budgets_the_room_a_chunked_prefill_grows_and_the_real_cache_stays_within() -> None:
-    """fit_verdicts counts, at a compressed level and for a prompt of more than one chunk, the room the store grows
+def test_every_level_budgets_the_room_a_chunked_prefill_grows_and_the_real_cache_stays_within() -> None:
+    """fit_verdicts counts, at every level and for a prompt of more than one chunk, the room the cache grows
     ahead for the next chunks (prefill_room_bytes); a real cache fed the prompt chunk by chunk never holds more than
     the cache the formula gives (at the tokens rounded up to the 256-token step) plus that room."""
     from engine.kvcache import get_method
-    from engine.planning.recommend import decode_room_bytes, prefill_room_bytes
+    from engine.planning.recommend import decode_room_bytes, growth_copy_bytes, prefill_room_bytes
 
     chunk, n_tokens = 512, 3000
     eight = level_by_key("8")
     verdicts = {v.level.key: v for v in fit_verdicts(SMOLLM2, n_tokens, 64 * GiB, prefill_chunk=chunk)}
     room = prefill_room_bytes(SMOLLM2, n_tokens, eight, chunk)
     assert room == cache_bytes(SMOLLM2, 3 * chunk, eight) > 0
-    assert verdicts["8"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk) + room
+    def working(key: str, room: int) -> int:  # a chunk's working memory, the room and a growth's copy of one layer
+        copy = growth_copy_bytes(SMOLLM2, n_tokens, key, room)
+        assert copy == -(-(cache_bytes(SMOLLM2, n_tokens, key) + room) // SMOLLM2.layers) > 0
+        return working_bytes(SMOLLM2, n_tokens, chunk) + room + copy
+
+    assert verdicts["8"].working_bytes == working("8", room)
     assert prefill_room_bytes(SMOLLM2, chunk, eight, chunk) == 0  # one chunk: no room
-    # a decoding cache's room (an eighth of its tokens, at most 2,048): the 16-bit cache grows no prefill room
+    # a decoding cache's room (an eighth of its tokens, at most 2,048); the 16-bit cache grows a prefill's room too,
+    # the larger here
     assert decode_room_bytes(SMOLLM2, n_tokens, "16") == cache_bytes(SMOLLM2, n_tokens // 8, "16") > 0
-    assert verdicts["16"].working_bytes == working_bytes(SMOLLM2, n_tokens, chunk) + decode_room_bytes(
-        SMOLLM2, n_tokens, "16")
+    assert prefill_room_bytes(SMOLLM2, n_tokens, "16", chunk) == cache_bytes(SMOLLM2, 3 * chunk, "16") > (
+        decode_room_bytes(SMOLLM2, n_tokens, "16"))
+    assert verdicts["16"].working_bytes == working("16", prefill_room_bytes(SMOLLM2, n_tokens, "16", chunk))
     assert decode_room_bytes(SMOLLM2, 100_000, eight) == cache_bytes(SMOLLM2, 2048, eight)
     long = {v.level.key: v for v in fit_verdicts(SMOLLM2, 100_000, 64 * GiB, prefill_chunk=chunk)}
-    assert long["8"].working_bytes == working_bytes(SMOLLM2, 100_000, chunk) + max(
-        prefill_room_bytes(SMOLLM2, 100_000, eight, chunk), decode_room_bytes(SMOLLM2, 100_000, eight))
+    long_room = max(prefill_room_bytes(SMOLLM2, 100_000, eight, chunk), decode_room_bytes(SMOLLM2, 100_000, eight))
+    assert long["8"].working_bytes == working_bytes(SMOLLM2, 100_000, chunk) + long_room + growth_copy_bytes(
+        SMOLLM2, 100_000, eight, long_room)
+    # a level that widens some layers copies the widest layer's buffers: the 2-bit level's are 3-bit ones
+    two = level_by_key("2")
+    assert two.config.wide_fraction and growth_copy_bytes(SMOLLM2, n_tokens, two, 0) > 1.3 * (
+        cache_bytes(SMOLLM2, n_tokens, two) / SMOLLM2.layers)
 
     info = replace(SMOLLM2, layers=1)
-    (cache,) = KVCacheBuilder(eight.config).for_shape(ModelShape(
-        n_layers=1, n_heads=info.attention_heads, n_kv_heads=info.kv_heads, head_dim=info.head_dim)).build()
     data = mx.random.normal((1, info.kv_heads, n_tokens, info.head_dim), key=mx.random.key(3)).astype(mx.bfloat16)
-    held = []
-    for start in range(0, n_tokens, chunk):
-        cache.update_and_fetch(data[..., start:start + chunk, :], data[..., start:start + chunk, :])
-        mx.eval(cache.state)
-        held.append(cache.nbytes)
-    step = get_method(eight.config.method).step
-    bound = (cache_bytes(info, -(-n_tokens // step) * step, eight)
-             + prefill_room_bytes(info, n_tokens, eight, chunk))
-    assert max(held) <= bound
-    assert max(held) > cache_bytes(info, -(-n_tokens // step) * step, eight)  # the room was held, so counted
+    for level in (eight, level_by_key("16")):
+        (cache,) = KVCacheBuilder(level.config).for_shape(ModelShape(
+            n_layers=1, n_heads=info.attention_heads, n_kv_heads=info.kv_heads, head_dim=info.head_dim)).build()
+        held = []
+        for start in range(0, n_tokens, chunk):
+            cache.update_and_fetch(data[..., start:start + chunk, :], data[..., start:start + chunk, :])
+            mx.eval(cache.state)
+            held.append(cache.nbytes)
+        step = get_method(level.config.method).step
+        tidy = cache_bytes(info, -(-n_tokens // step) * step, level)
+        assert tidy < max(held) <= tidy + prefill_room_bytes(info, n_tokens, level, chunk)  # the room held, counted

@@ -64,6 +64,8 @@ DENSE_HISTORY_MAX_BYTES = 256 << 20
 # fifth of its 32k-token prefill in 2,048-token chunks on an H200: 5,056 tok/s against 6,094 with the store grown
 # in 8,192-token steps, fp16 6,832 / 6,777 in the same runs (benchmarks/results/prefill-chunks-growth-step-h200.json);
 # with this room the 4-bit level prefilled at 0.80x of fp16 against 0.71x without (prefill-room-ahead-h200.json).
+# The 16-bit cache's buffers grow the same way, since each growth now waits for the queued work (COPY_BUFFERS_NOW):
+# growing at every chunk, they would stop the app's pipelined prefill (engine/chat/prefill.py) at every chunk.
 # The room is given back at the first update of at most `step` tokens (a decode step: `release_room_ahead`;
 # mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that starts decoding holds its tokens
 # rounded up to `step` until a decode step grows it (DECODE_GROWTH_SLOTS); nbytes counts the room while it is held.
@@ -85,6 +87,17 @@ DECODE_GROWTH_FRACTION = 8
 # speculative decoding a few); a longer one is a prefill chunk, however short (the quality harness feeds 64 tokens at
 # a time, and its caches' bytes stay those of a prefill).
 DECODE_STEP_TOKENS = 16
+# A growth copies one layer's history into its new buffers at once (`_copy_now`), as does the release of a prefill's
+# room ahead into smaller ones, so the old buffers are freed before the next layer's copy. Left to the forward pass's
+# evaluation, every layer's old buffers were still held at its peak (MLX allocates outputs as it queues work and frees
+# inputs when that work completes): on the CPU, a 16-bit cache of 8 layers of the 8B shape fed 2,048-token chunks
+# peaked 1,044 MB above the 1,074 MB it held at 32k tokens, the 4-bit level 163 MB above 312 (growth_peak.py,
+# growth-peak-cpu.json), and a decode step growing (or releasing) every layer's buffers held as much. Copied at once,
+# the excess is one layer's old buffers and a chunk's working memory (growth-peak-copy-now-cpu.json), which the
+# planner budgets (engine.planning.recommend.growth_copy_bytes). Costs a wait for the queued work once per copy (in a
+# prefill chunk that grows, or one decode step in 2,048 at long contexts). False leaves the copies to the forward pass
+# (a benchmark's A/B switch).
+COPY_BUFFERS_NOW = True
 _NOTHING_COMPRESSED = "no compressed tokens yet"
 
 
@@ -356,6 +369,31 @@ class VeloxKVCache(_BaseCache):
         """Token slots a buffer grown by a decode step to hold `tokens` allocates: room for an eighth more, at most
         DECODE_GROWTH_SLOTS, rounded up to `step`."""
         return self._slots_for(tokens + min(DECODE_GROWTH_SLOTS, tokens // DECODE_GROWTH_FRACTION))
+
+    def _growth_slots(self, needed: int, n_new: int, grows_existing: bool) -> int:
+        """Token slots to grow buffers to for `needed` tokens, `n_new` of them new, recording which kind of growth it
+        is (`_grown_by_decode`): a decode step's room (`_decode_slots_for`) where existing buffers grow at a decode step
+        (`_decoding`, set by update_and_fetch; the block it completes may be longer: KIVI's 128 tokens); otherwise
+        rounded up to `step`, with room for PREFILL_AHEAD_CHUNKS more chunks where existing buffers grow for a chunk of
+        more than `step` tokens (a prompt prefilled in one call holds exactly its tokens)."""
+        self._grown_by_decode = self._decoding and grows_existing
+        if self._grown_by_decode:
+            return self._decode_slots_for(needed)
+        ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and grows_existing else 0
+        return self._slots_for(needed + ahead)
+
+    def _slots_to_keep(self, tokens: int) -> int:
+        """Token slots kept when a prefill's room ahead is given back from buffers holding `tokens` tokens: `tokens`
+        rounded up to `step` (at least `step`), or a decode step's room where the last growth was a decode step's (the
+        next decode steps fill it)."""
+        slots = self._decode_slots_for if self._grown_by_decode else self._slots_for
+        return max(self.step, slots(tokens))
+
+
+def _copy_now(copies: list[mx.array]) -> None:
+    """Evaluate one layer's new buffers, so the old ones they copy can be freed (see COPY_BUFFERS_NOW)."""
+    if COPY_BUFFERS_NOW:
+        mx.eval(copies)
 
 
 def _grow_to(array: mx.array | None, used: int, capacity: int, like: mx.array) -> mx.array:
@@ -721,18 +759,6 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
         return neutral(keys), neutral(values)
 
-    def _grown_capacity(self, needed: int, n_new: int) -> int:
-        """Compressed token slots to grow to for `needed` tokens, `n_new` of them new (and records which kind of
-        growth it is): rounded up to `step`, with room for PREFILL_AHEAD_CHUNKS more chunks where `n_new` is a
-        prefill chunk's after the first (a prompt prefilled in one call holds exactly its tokens); with a decode
-        step's room (`_decode_slots_for`) where the store exists and the update is a decode step's (the block it
-        completes may be longer: KIVI's 128 tokens)."""
-        self._grown_by_decode = self._decoding and self._store is not None
-        if self._grown_by_decode:
-            return self._decode_slots_for(needed)
-        ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and self._store is not None else 0
-        return self._slots_for(needed + ahead)
-
     def release_room_ahead(self) -> None:
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
         tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself; a caller that
@@ -741,21 +767,25 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         fill it; what a trim freed beyond that is given back too."""
         if self._store is None:
             return
-        slots = self._decode_slots_for if self._grown_by_decode else self._slots_for
-        keep = max(self.step, slots(self._n_compressed))
+        keep = self._slots_to_keep(self._n_compressed)
         if self.capacity > keep:
-            self._store = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
+            kept = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
+            _copy_now(list(kept.values()))
+            self._store = kept
 
     def _append_compressed(self, chunk: dict[str, mx.array]) -> None:
         n_new = next(iter(chunk.values())).shape[-2]
         needed = self._n_compressed + n_new
         if self._store is None or needed > self.capacity:
-            capacity = self._grown_capacity(needed, n_new)
-            self._store = {
+            capacity = self._growth_slots(needed, n_new, grows_existing=self._store is not None)
+            grown = {
                 name: _grow_to(None if self._store is None else self._store[name], self._n_compressed, capacity,
                                like=part)
                 for name, part in chunk.items()
             }
+            if self._n_compressed:
+                _copy_now(list(grown.values()))
+            self._store = grown
         for name, part in chunk.items():
             self._store[name][..., self._n_compressed : needed, :] = part
         self._n_compressed = needed

@@ -93,9 +93,9 @@ def teacher_forced_quality(
 
 
 def _give_back_room_ahead(caches: list[Any]) -> None:
-    """What a cache's first decode step does: give back the room its compressed store grew ahead for more prefill
-    chunks (base.PREFILL_AHEAD_CHUNKS), so the bytes read after a teacher-forced pass, which never decodes, are what
-    the cache holds while it decodes. Other caches (mlx-lm's) have no such room."""
+    """What a cache's first decode step does: give back the room its buffers (a compressed store, or the 16-bit
+    cache's) grew ahead for more prefill chunks (base.PREFILL_AHEAD_CHUNKS), so the bytes read after a teacher-forced
+    pass, which never decodes, are what the cache holds while it decodes. Other caches (mlx-lm's) have no such room."""
     for cache in caches:
         release = getattr(cache, "release_room_ahead", None)
         if release is not None:

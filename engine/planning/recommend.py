@@ -15,11 +15,14 @@ Memory model (all in bytes; `fit_verdicts` reports each term so the app can show
                     are materialised in fp32, measured on the CPU: a 512-token chunk against 16k cached
                     tokens with 32 heads peaked at 1.09 GB for 1.07 GB of scores) + the fp32 logits of one
                     chunk (prefill_chunk x vocab x 4 bytes; mlx-lm computes logits for every position);
-                    at a compressed level, when the prompt takes more than one chunk, also the room its store
-                    grows ahead for the next chunks (engine.kvcache.base.PREFILL_AHEAD_CHUNKS chunks of
-                    compressed tokens, given back at the first decode step: `prefill_room_bytes`); or, the
+                    when the prompt takes more than one chunk, also the room the cache's buffers grow ahead for
+                    the next chunks (engine.kvcache.base.PREFILL_AHEAD_CHUNKS chunks of tokens, given back at
+                    the first decode step: `prefill_room_bytes`); or, the
                     larger of the two, the room a decoding cache grows past its tokens (an eighth of them, at
-                    most engine.kvcache.base.DECODE_GROWTH_SLOTS: `decode_room_bytes`), at every level.
+                    most engine.kvcache.base.DECODE_GROWTH_SLOTS: `decode_room_bytes`), at every level;
+                    plus one layer's share of the cache and that room, the old buffers a growth copies from
+                    while its new ones fill (engine.kvcache.base.COPY_BUFFERS_NOW: one layer at a time,
+                    `growth_copy_bytes`).
 
 At long contexts the scores of a prefill chunk can outweigh the cache itself (Llama-3.1-8B at 128k tokens
 with 512-token chunks: 8.6 GB), so `prefill_chunk` is a parameter: a smaller chunk is the cheap way to fit.
@@ -38,7 +41,6 @@ from engine.kvcache.base import (
     DECODE_GROWTH_FRACTION,
     DECODE_GROWTH_SLOTS,
     PREFILL_AHEAD_CHUNKS,
-    SegmentedKVCache,
 )
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import get_method
@@ -258,11 +260,10 @@ def working_bytes(info: ModelInfo, n_tokens: int, prefill_chunk: int = DEFAULT_P
 def prefill_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str,
                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
     """Bytes a chunked prefill of `n_tokens` holds beyond the cache at `level`: room for PREFILL_AHEAD_CHUNKS more
-    chunks of compressed tokens, which a compressed store grows from a prompt's second chunk on (0 at 16 bits and
-    for a prompt of one chunk)."""
+    chunks of tokens, which a cache's buffers grow from a prompt's second chunk on (0 for a prompt of one chunk)."""
     level = _as_level(level)
     chunk = max(1, prefill_chunk)
-    if n_tokens <= chunk or not issubclass(get_method(level.config.method), SegmentedKVCache):
+    if n_tokens <= chunk:
         return 0
     return cache_bytes(info, PREFILL_AHEAD_CHUNKS * chunk, level)
 
@@ -274,6 +275,25 @@ def decode_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | 
     if n_tokens <= 0:
         return 0
     return cache_bytes(info, min(DECODE_GROWTH_SLOTS, n_tokens // DECODE_GROWTH_FRACTION), level)
+
+
+def growth_copy_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str, room: int) -> int:
+    """Bytes of the old buffers a growth (or the release of a prefill's room) holds while it copies them into new ones:
+    one layer's share of the cache of `n_tokens` tokens at `level` and of its `room` bytes, the widest layer's where a
+    level widens some (`wide`: a bit more per value there), since engine.kvcache.base.COPY_BUFFERS_NOW copies one layer
+    at a time. Measured on the CPU (benchmarks/results/growth-peak-copy-now-cpu.json): a 16-bit cache of 8 layers
+    holding 1,141 MB peaked at most 135 MB above it, a layer's share being 143 MB, where copies left to the forward
+    pass peaked up to 1,082 MB above."""
+    _check_shape(info)
+    level = _as_level(level)
+    share = (cache_bytes(info, n_tokens, level) + room) / info.layers
+    config = level.config
+    if config.wide_fraction is not None and n_tokens > 0:
+        average = level.bits_per_value(info.head_dim, n_tokens, info.kv_heads)
+        widest = get_method(config.method).effective_bits_per_value(
+            config.widened(), info.head_dim, n_tokens, info.kv_heads)
+        share *= max(1.0, widest / average)
+    return math.ceil(share)
 
 
 def resident_weights_bytes(info: ModelInfo, *, fp32_weights: bool = False) -> int:
@@ -292,7 +312,9 @@ class FitVerdict:
     n_tokens: int
     cache_bytes: int  # 0 when the level is not supported
     weights_bytes: int
-    working_bytes: int  # working_bytes() + the larger of prefill_room_bytes() and decode_room_bytes() at this level
+    # working_bytes() + the larger of prefill_room_bytes() and decode_room_bytes() at this level (the room) +
+    # growth_copy_bytes() of the cache and that room
+    working_bytes: int
     needed_bytes: int  # weights + cache + working memory
     budget_bytes: int  # safety_fraction x available
     available_bytes: int
@@ -338,8 +360,8 @@ def fit_verdicts(
         )
         try:
             cache = cache_bytes(info, n_tokens, level)
-            level_working = working + max(prefill_room_bytes(info, n_tokens, level, prefill_chunk),
-                                          decode_room_bytes(info, n_tokens, level))
+            room = max(prefill_room_bytes(info, n_tokens, level, prefill_chunk), decode_room_bytes(info, n_tokens, level))
+            level_working = working + room + growth_copy_bytes(info, n_tokens, level, room)
         except ConfigError as error:
             message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
             verdicts.append(FitVerdict(**common, working_bytes=working, cache_bytes=0, needed_bytes=0, supported=False,

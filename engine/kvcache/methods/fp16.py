@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from engine.errors import ConfigError
 from engine.kvcache.attention import AttendsOverOwnStorage, install_attention_dispatch
-from engine.kvcache.base import DECODE_STEP_TOKENS, VeloxKVCache, _grow_to, sixteen_bit_dtype
+from engine.kvcache.base import DECODE_STEP_TOKENS, VeloxKVCache, _copy_now, _grow_to, sixteen_bit_dtype
 from engine.kvcache.config import KVCacheConfig
 from engine.kvcache.registry import register_method
 from engine.runtime.cpu import attention as cpu_attention
@@ -69,6 +69,9 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
     def _reset_storage(self) -> None:
         self._keys: mx.array | None = None
         self._values: mx.array | None = None
+        # as SegmentedKVCache's: whether this update is a decode step's, and whether the last growth was one's
+        self._decoding = False
+        self._grown_by_decode = False
 
     @classmethod
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
@@ -96,15 +99,22 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if not self.is_set_up:
             self._setup_from(keys, values)
+        n_new = keys.shape[-2]
+        self._decoding = n_new <= DECODE_STEP_TOKENS
+        if n_new <= self.step:  # not a prefill chunk: no more room ahead needed
+            self.release_room_ahead(incoming=n_new)
         previous = self.offset
-        needed = previous + keys.shape[-2]
+        needed = previous + n_new
         dtype = self._storage_dtype()
         if self._keys is None or needed > self._keys.shape[-2]:
-            # a decode step's growth leaves room for more (base.DECODE_GROWTH_SLOTS: a growth copies the whole history)
-            decoding = self._keys is not None and keys.shape[-2] <= DECODE_STEP_TOKENS
-            capacity = self._decode_slots_for(needed) if decoding else self._slots_for(needed)
-            self._keys = _grow_to(self._keys, previous, capacity, like=keys.astype(dtype))
-            self._values = _grow_to(self._values, previous, capacity, like=values.astype(dtype))
+            # room ahead for a prefill's next chunks, or a decode step's room (base.PREFILL_AHEAD_CHUNKS,
+            # DECODE_GROWTH_SLOTS: a growth copies the whole history)
+            capacity = self._growth_slots(needed, n_new, grows_existing=self._keys is not None)
+            grown = [_grow_to(self._keys, previous, capacity, like=keys.astype(dtype)),
+                     _grow_to(self._values, previous, capacity, like=values.astype(dtype))]
+            if previous:
+                _copy_now(grown)
+            self._keys, self._values = grown
         self._keys[..., previous:needed, :] = keys
         self._values[..., previous:needed, :] = values
         self.offset = needed
@@ -119,6 +129,21 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         n = min(self.offset, max(0, n))
         self.offset -= n
         return n
+
+    def release_room_ahead(self, incoming: int = 0) -> None:
+        """Give back the room a prefill grew ahead, as SegmentedKVCache.release_room_ahead does (the buffers copied into
+        ones of `_slots_to_keep` slots): a cache's first decode step does this itself, a caller reading `nbytes` after
+        a prefill it never decodes from calls it. Where the `incoming` tokens of the step would not fit those slots, the
+        step's growth is made here instead (one copy of the history, not two)."""
+        if self._keys is None:
+            return
+        keep = self._slots_to_keep(self.offset)
+        if self.offset + incoming > keep:
+            keep = self._growth_slots(self.offset + incoming, incoming, grows_existing=True)
+        if self._keys.shape[-2] > keep:
+            kept = [mx.contiguous(self._keys[..., :keep, :]), mx.contiguous(self._values[..., :keep, :])]
+            _copy_now(kept)
+            self._keys, self._values = kept
 
     def _held_arrays(self) -> list[mx.array]:
         return [a for a in (self._keys, self._values) if a is not None]

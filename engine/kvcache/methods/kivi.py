@@ -134,7 +134,7 @@ import numpy as np
 
 from engine.errors import ConfigError
 from engine.kvcache import kernels as _kernels
-from engine.kvcache.base import SegmentedKVCache, _grow_to, skip_tokens
+from engine.kvcache.base import SegmentedKVCache, _copy_now, _grow_to, skip_tokens
 from engine.kvcache.config import WIDE_LAYERS_OPTION, WIDE_OPTION, KVCacheConfig, parse_wide_layers
 from engine.kvcache.kernels import Codec
 from engine.kvcache.kernels.kivi_encode import kivi_encode
@@ -986,7 +986,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         used = self._n_compressed
         needed = used + n_new
         if self._store is None or needed > self.capacity:
-            new_capacity = self._grown_capacity(needed, n_new)
+            new_capacity = self._growth_slots(needed, n_new, grows_existing=self._store is not None)
             grown = {}
             for name, part in chunk.items():
                 old = None if self._store is None else self._store[name]
@@ -999,6 +999,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                     grown[name] = buffer
                 else:
                     grown[name] = _grow_to(old, used, new_capacity, like=part)
+            if used:
+                _copy_now(list(grown.values()))
             self._store = grown
         for name, part in chunk.items():
             if _is_key_part(name):
