@@ -291,24 +291,34 @@ def time_decode(model: nn.Module, caches: list[Any], steps: int, warmup: int) ->
 
 
 def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int,
-                  token_seconds: list[float] | None = None, token_offsets: list[int] | None = None) -> float:
+                  token_seconds: list[float] | None = None, token_offsets: list[int] | None = None,
+                  token_peaks: list[int] | None = None) -> float:
     """Seconds per token of mlx-lm's own decode loop (`generate_step`, greedy) over the filled caches, after
     `warmup` tokens: the loop mlx_lm.stream_generate and so the app and `velox serve` run, which records
     step n+1 while the GPU runs step n (`mx.async_eval`), so host time and GPU time overlap there. Each timed
     token's own interval is appended to `token_seconds` where given (a stall shows there, not in the mean), and
     the cache's length at that token to `token_offsets` (within one token: the loop runs a step ahead), so a stall
-    can be matched to the store's growth or a key block's encode."""
+    can be matched to the store's growth or a key block's encode; and how far MLX's peak memory rose above its active
+    memory at the token before to `token_peaks` (bytes): a store that a step copies instead of writing in place (a
+    growth, or an append MLX could not do in place because the step still running holds the buffer) shows there."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     start = int(caches[0].offset)
     prompt = mx.array([128], dtype=mx.int32)
-    marks = []
+    marks, rises = [], []
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
     for _ in generate_step(prompt, model, max_tokens=warmup + steps + 1, prompt_cache=caches,
                            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)):
         marks.append(time.perf_counter())  # each token is read back (.item()) before it is yielded
+        rises.append(mx.get_peak_memory() - active)  # host-side counters: no wait for the GPU
+        active = mx.get_active_memory()
+        mx.reset_peak_memory()
     if token_seconds is not None:
         token_seconds.extend(b - a for a, b in zip(marks[warmup:], marks[warmup + 1:], strict=False))
+    if token_peaks is not None:
+        token_peaks.extend(rises[warmup + 1:])
     if token_offsets is not None:
         token_offsets.extend(start + index + 1 for index in range(warmup, len(marks) - 1))
     return (marks[-1] - marks[warmup]) / steps
@@ -318,10 +328,16 @@ def time_generate(model: nn.Module, caches: list[Any], steps: int, warmup: int,
 STALL_FACTOR = 3.0
 
 
-def token_latency(token_seconds: list[float], token_offsets: list[int] | None = None) -> dict[str, Any]:
+def _megabytes(values: list[float]) -> str:
+    return "[" + ", ".join(f"{value:.0f}" for value in values) + "]"
+
+
+def token_latency(token_seconds: list[float], token_offsets: list[int] | None = None,
+                  token_peaks: list[int] | None = None) -> dict[str, Any]:
     """What a user of the loop feels beside its mean: the median and slowest token (ms), and the stalls (tokens over
     STALL_FACTOR x the median) with the time they added over the median and, given each token's cache length, the
-    lengths they happened at."""
+    lengths they happened at; given each token's peak memory rise (`time_generate`), the median token's and the
+    stalls' (MB)."""
     if not token_seconds:
         return {}
     ordered = sorted(token_seconds)
@@ -331,6 +347,9 @@ def token_latency(token_seconds: list[float], token_offsets: list[int] | None = 
                "gen_stalls": len(stalls), "gen_stall_ms": sum(token_seconds[i] - median for i in stalls) * 1000}
     if token_offsets is not None:
         latency["gen_stall_offsets"] = [token_offsets[i] for i in stalls]
+    if token_peaks:
+        latency["gen_token_peak_mb_median"] = statistics.median(token_peaks) / 1e6
+        latency["gen_stall_peak_mb"] = [token_peaks[i] / 1e6 for i in stalls]
     return latency
 
 
@@ -359,6 +378,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     generated: dict[str, list[float]] = {spec: [] for spec in filled}
     tokens: dict[str, list[float]] = {spec: [] for spec in filled}
     offsets: dict[str, list[int]] = {spec: [] for spec in filled}
+    peaks: dict[str, list[int]] = {spec: [] for spec in filled}
     for _ in range(args.rounds):
         for spec, caches in list(filled.items()):
             try:
@@ -367,7 +387,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                     steps[spec].append(times[len(times) // 2])
                     if args.generate:
                         generated[spec].append(time_generate(model, caches, args.steps, args.warmup,
-                                                                         tokens[spec], offsets[spec]))
+                                                             tokens[spec], offsets[spec], peaks[spec]))
             except Exception as error:
                 rows[spec]["error"] = _error_text(error)
                 del filled[spec]
@@ -383,7 +403,8 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                     "rounds_ms": [t * 1000 for t in steps[spec]]}
             if generated[spec]:
                 row |= {"gen_tok_s": 1 / median(generated[spec]), "gen_ms": median(generated[spec]) * 1000,
-                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]} | token_latency(tokens[spec], offsets[spec])
+                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]} | token_latency(
+                    tokens[spec], offsets[spec], peaks[spec])
             for key, series in (("vs_fp16", steps), ("gen_vs_fp16", generated)):
                 reference = series.get("fp16")
                 if reference and series[spec] and len(reference) == len(series[spec]):
@@ -392,7 +413,9 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
             print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s, x{row.get('vs_fp16', float('nan')):.2f} fp16 "
                   f"(rounds {', '.join(f'{t:.2f}' for t in row['rounds_ms'])} ms)"
                   + (f"; mlx-lm loop x{row['gen_vs_fp16']:.2f}" if "gen_vs_fp16" in row else "")
-                  + (f"; stalls at {row['gen_stall_offsets']}" if row.get("gen_stall_offsets") else ""), flush=True)
+                  + (f"; stalls at {row['gen_stall_offsets']}, peaks {_megabytes(row['gen_stall_peak_mb'])} MB "
+                     f"(median token {row['gen_token_peak_mb_median']:.0f})" if row.get("gen_stall_offsets") else ""),
+                  flush=True)
         else:
             print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)
         out.append(row)
@@ -656,10 +679,12 @@ def run(args: argparse.Namespace) -> int:
                 if args.generate:
                     token_seconds: list[float] = []
                     token_offsets: list[int] = []
+                    token_peaks: list[int] = []
                     with spec_constants(spec):
-                        per_token = time_generate(model, caches, args.steps, args.warmup, token_seconds, token_offsets)
+                        per_token = time_generate(model, caches, args.steps, args.warmup, token_seconds, token_offsets,
+                                                  token_peaks)
                     row |= ({"gen_tok_s": 1 / per_token, "gen_ms": per_token * 1000}
-                            | token_latency(token_seconds, token_offsets))
+                            | token_latency(token_seconds, token_offsets, token_peaks))
                 if spec == "fp16":
                     reference[context] = row["tok_s"]
                     reference_gen[context] = row.get("gen_tok_s", 0.0)
@@ -669,7 +694,7 @@ def run(args: argparse.Namespace) -> int:
                     row["gen_vs_fp16"] = row["gen_tok_s"] / reference_gen[context]
                 generated = (f"; mlx-lm loop {row['gen_tok_s']:.1f} tok/s x{row.get('gen_vs_fp16', float('nan')):.2f}, "
                              f"token max {row['gen_token_ms_max']:.1f} ms, {row['gen_stalls']} stalls"
-                             f" at {row['gen_stall_offsets']}"
+                             f" at {row['gen_stall_offsets']}, peaks {_megabytes(row.get('gen_stall_peak_mb', []))} MB"
                              if "gen_tok_s" in row else "")
                 print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s ({row['ms']:.2f} ms; bound "
                       f"{row['bound_tok_s']:.0f} tok/s; cache {held / 1e9:.2f} GB; "

@@ -115,3 +115,6 @@ def test_token_latency_counts_the_stalls_a_mean_hides() -> None:
     edge = token_latency([0.010] * 9 + [0.010 * STALL_FACTOR])  # exactly the factor: not a stall
     assert edge["gen_stalls"] == 0 and edge["gen_stall_ms"] == 0.0
     assert token_latency([]) == {}
+    # each token's peak memory rise (time_generate's): the median token's and the stall's, in MB
+    peaked = token_latency(seconds, list(range(1000, 1128)), [2_000_000] * 127 + [300_000_000])
+    assert peaked["gen_token_peak_mb_median"] == 2.0 and peaked["gen_stall_peak_mb"] == [300.0]
