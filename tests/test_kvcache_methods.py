@@ -378,8 +378,9 @@ def test_a_step_that_copies_every_layer_holds_one_layer_old_buffers_at_a_time(
     assert excess <= one_layer + (2 << 20), (excess, one_layer)  # 2 MB: the step's own small arrays
     monkeypatch.setattr(base, "COPY_BUFFERS_NOW", False)
     lazy_excess, _ = first_step_excess()
-    # measured: 3-5 of the 6 layers' buffers at once (MLX's CPU stream frees some while the step is still queued)
-    assert lazy_excess > 2 * one_layer + (2 << 20), (lazy_excess, one_layer)
+    # the bound above fails without the mend (measured: 3-5 of the 6 layers' buffers at once; how many depends on how
+    # far MLX's CPU stream has run while the step is still being queued)
+    assert lazy_excess > one_layer + (2 << 20), (lazy_excess, one_layer)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
