@@ -67,6 +67,7 @@ from engine.planning.recommend import (
     DEFAULT_PREFILL_CHUNK,
     cache_bytes,
     check_fits,
+    check_switch_fits,
     fit_verdicts,
     level_by_key,
     prefill_chunk_for,
@@ -578,6 +579,10 @@ class EngineWorker(QObject):
                 config = level.config
                 if method and method != config.method:
                     config = replace(config, method=method)
+            if session.cached_tokens and self.info is not None:
+                # the held cache stays until the new one is complete: refuse before re-encoding what would not fit
+                target = level if config is None else replace(level, config=config)
+                check_switch_fits(self.info, len(session.cached_tokens), target, system_memory()["available"])
             result = session.set_compression(config, progress=self.calibrationProgress.emit)
         except VeloxError as error:
             self.compressionChanged.emit(replace(report, before=before, after=before, message=str(error)))

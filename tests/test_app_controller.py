@@ -123,6 +123,32 @@ def test_compression_switch_mid_chat_shrinks_the_held_cache(make_controller, qtb
     assert stored[-1].compression.startswith("4-bit")
 
 
+def test_a_compression_switch_that_would_not_fit_is_refused_and_the_chat_goes_on(make_controller, qtbot, monkeypatch):
+    """A live switch re-encodes the held cache while it is still held, so it is checked against the memory free now
+    (engine.planning.recommend.check_switch_fits) before anything is re-encoded: refused with the reason, the level and
+    the cache are as they were, and the conversation goes on at that level."""
+    import app.worker
+
+    controller = make_controller()
+    reply(qtbot, controller, "What is the capital of France?")
+    held_before = controller.kv_held
+    level_before = controller.level_key
+    reports = []
+    controller.compressionChanged.connect(reports.append)
+    tiny = {"total": 8_000_000_000, "available": 1_000_000, "used": 7_999_000_000, "percent": 99.9,
+            "pressure": "critical"}
+    with monkeypatch.context() as patched:
+        patched.setattr(app.worker, "system_memory", lambda: dict(tiny))
+        controller.set_compression("16")
+        qtbot.waitUntil(lambda: bool(reports) and not controller.busy, timeout=WAIT_MS)
+    report = reports[-1]
+    assert not report.available
+    assert report.message.startswith("Switching") and "free can be used safely" in report.message, report.message
+    assert controller.level_key == level_before and controller.kv_held == held_before
+    reply(qtbot, controller, "And of Germany?")  # the memory back: the chat goes on in the cache it had
+    assert controller.last_stats.reused_tokens > 0 and controller.entries[-1].text
+
+
 def test_restart_reopens_the_last_conversation(make_controller, qtbot):
     first = make_controller()
     reply(qtbot, first, "What is the capital of France?")

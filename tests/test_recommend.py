@@ -311,3 +311,37 @@ def test_every_level_budgets_the_room_a_chunked_prefill_grows_and_the_real_cache
         step = get_method(level.config.method).step
         tidy = cache_bytes(info, -(-n_tokens // step) * step, level)
         assert tidy < max(held) <= tidy + prefill_room_bytes(info, n_tokens, level, chunk)  # the room held, counted
+
+
+def test_a_live_switch_is_checked_against_the_memory_free_beside_the_held_cache() -> None:
+    """check_switch_fits: the new cache, its room ahead while the chunks are re-encoded, one layer's growth copy and
+    one dense chunk must fit beside the cache still held. A person at 16 bits near the limit can still compress (the
+    turn check, which also budgets a prefill chunk's scores, would refuse the same memory), and a switch up that
+    would not fit is refused with the reason before anything is re-encoded."""
+    import inspect
+
+    from engine.chat.session import ChatSession
+    from engine.kvcache.builder import reencode_into
+    from engine.planning.recommend import (
+        SWITCH_CHUNK_TOKENS,
+        check_switch_fits,
+        growth_copy_bytes,
+        prefill_room_bytes,
+        switch_bytes,
+    )
+
+    for function in (ChatSession.set_compression, reencode_into):  # the chunk the check counts is the switch's
+        assert inspect.signature(function).parameters["chunk_tokens"].default == SWITCH_CHUNK_TOKENS
+    n_tokens = 131072
+    room = prefill_room_bytes(LLAMA_8B, n_tokens, "4", SWITCH_CHUNK_TOKENS)
+    assert switch_bytes(LLAMA_8B, n_tokens, "4") == (
+        cache_bytes(LLAMA_8B, n_tokens, "4") + room + growth_copy_bytes(LLAMA_8B, n_tokens, "4", room)
+        + SWITCH_CHUNK_TOKENS * 2 * 8 * 128 * 4)
+    assert switch_bytes(LLAMA_8B, 0, "4") == 0
+    # 16-bit at 131k holds 17.2 GB; 8 GB free beside it: compressing to 4 bits fits, a fresh turn's check would not
+    free = 8 * GiB
+    assert check_switch_fits(LLAMA_8B, n_tokens, "4", free) == switch_bytes(LLAMA_8B, n_tokens, "4")
+    with pytest.raises(MemoryBudgetError):
+        check_fits(LLAMA_8B, n_tokens, "4", free, weights_bytes=0, prefill_chunk=512)
+    with pytest.raises(MemoryBudgetError, match=r"Switching 131072 tokens .* to Off \(16-bit\) would need 18\.\d GB"):
+        check_switch_fits(LLAMA_8B, n_tokens, "16", 16 * GiB)

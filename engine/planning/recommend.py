@@ -508,6 +508,48 @@ def prefill_chunk_for(
     return DEFAULT_PREFILL_CHUNK
 
 
+# A live level switch (engine.chat.session.ChatSession.set_compression) re-encodes the held cache layer by layer, this
+# many tokens at a time (engine.kvcache.builder.reencode_into's default).
+SWITCH_CHUNK_TOKENS = 1024
+
+
+def switch_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str,
+                 chunk_tokens: int = SWITCH_CHUNK_TOKENS) -> int:
+    """Bytes a live switch of a cache holding `n_tokens` tokens to `level` allocates while the cache it re-encodes is
+    still held (that one is freed only once the new one is complete): the new cache, the room its buffers grow ahead
+    as the chunks arrive (`prefill_room_bytes`), one layer's old buffers while a growth copies them
+    (`growth_copy_bytes`), and one layer's chunk of keys and values decoded to float32 (the widest a model computes
+    in)."""
+    _check_shape(info)
+    if n_tokens <= 0:
+        return 0
+    level = _as_level(level)
+    room = prefill_room_bytes(info, n_tokens, level, chunk_tokens)
+    dense_chunk = min(chunk_tokens, n_tokens) * 2 * info.kv_heads * info.head_dim * 4
+    return (cache_bytes(info, n_tokens, level) + room + growth_copy_bytes(info, n_tokens, level, room)
+            + dense_chunk)
+
+
+def check_switch_fits(info: ModelInfo, n_tokens: int, level: CompressionLevel | str, available_bytes: int, *,
+                      safety_fraction: float = DEFAULT_SAFETY_FRACTION) -> int:
+    """The bytes a live switch to `level` needs (`switch_bytes`); raises MemoryBudgetError, before anything is
+    re-encoded, when they exceed `safety_fraction` of `available_bytes`, the memory free while the current cache is
+    still held. A switch to a smaller cache needs less than the turn after it, whose check counts the held cache as
+    reusable: refusing it by that check would keep a person near the limit from compressing."""
+    level = _as_level(level)
+    needed = switch_bytes(info, n_tokens, level)
+    budget = math.floor(safety_fraction * max(available_bytes, 0))
+    if needed > budget:
+        missing = max(0, math.ceil(needed / safety_fraction) + 1 - max(available_bytes, 0))
+        raise MemoryBudgetError(
+            f"Switching {n_tokens} tokens of context for {info.name} to {level.label} would need "
+            f"{format_bytes(needed)} beside the cache held now (it is freed only once the new one is complete), "
+            f"but only {format_bytes(budget)} of the {format_bytes(available_bytes)} free can be used safely; choose "
+            f"a stronger compression level, start a new conversation or free {format_bytes(missing)} of memory."
+        )
+    return needed
+
+
 def check_fits(
     info: ModelInfo,
     n_tokens: int,
