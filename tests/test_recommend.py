@@ -345,3 +345,27 @@ def test_a_live_switch_is_checked_against_the_memory_free_beside_the_held_cache(
         check_fits(LLAMA_8B, n_tokens, "4", free, weights_bytes=0, prefill_chunk=512)
     with pytest.raises(MemoryBudgetError, match=r"Switching 131072 tokens .* to Off \(16-bit\) would need 18\.\d GB"):
         check_switch_fits(LLAMA_8B, n_tokens, "16", 16 * GiB)
+
+
+def test_a_real_switch_stays_within_what_the_check_counts(smollm) -> None:
+    """The memory a real switch of SmolLM2's 30 layers from the 16-bit cache to the 4-bit level allocates beside the
+    cache it re-encodes (MLX's peak above what was in use before) stays within switch_bytes, and is most of it."""
+    from engine.kvcache.builder import reencode_into
+    from engine.planning.recommend import switch_bytes
+
+    model, tokenizer, info = smollm
+    n_tokens = 3000
+    caches = KVCacheBuilder(level_by_key("16").config).for_model(model).build()
+    for start in range(0, n_tokens, 512):
+        data = mx.random.normal((1, info.kv_heads, min(512, n_tokens - start), info.head_dim), key=mx.random.key(start))
+        for cache in caches:
+            cache.update_and_fetch(data, data)
+        mx.eval([cache.state for cache in caches])
+    targets = KVCacheBuilder(level_by_key("4").config).for_model(model, tokenizer=tokenizer).build()  # bundled widths
+    mx.synchronize()
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    reencode_into(caches, targets)
+    mx.eval([cache.state for cache in targets])
+    rise = mx.get_peak_memory() - active
+    assert 0.5 * switch_bytes(info, n_tokens, "4") < rise <= switch_bytes(info, n_tokens, "4"), rise
