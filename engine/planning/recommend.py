@@ -329,8 +329,20 @@ class FitVerdict:
         """How much more *available* memory would make this level fit (0 if it fits)."""
         if self.fits or not self.supported:
             return 0
-        # One byte more than the exact quotient so float rounding in the budget can never leave it short.
-        return max(0, math.ceil(self.needed_bytes / self.safety_fraction) + 1 - max(self.available_bytes, 0))
+        return _missing_bytes(self.needed_bytes, self.available_bytes, self.safety_fraction)
+
+
+def _budget_bytes(available_bytes: int, safety_fraction: float) -> int:
+    """The bytes of `available_bytes` that may be used: `safety_fraction` of them, rounded down."""
+    return math.floor(safety_fraction * max(available_bytes, 0))
+
+
+def _missing_bytes(needed_bytes: int, available_bytes: int, safety_fraction: float) -> int:
+    """How much more available memory would let `needed_bytes` fit in `_budget_bytes` (0 if they fit)."""
+    if needed_bytes <= _budget_bytes(available_bytes, safety_fraction):
+        return 0
+    # One byte more than the exact quotient so float rounding in the budget can never leave it short.
+    return max(0, math.ceil(needed_bytes / safety_fraction) + 1 - max(available_bytes, 0))
 
 
 def fit_verdicts(
@@ -350,7 +362,7 @@ def fit_verdicts(
         raise ValueError(f"safety_fraction must be in (0, 1], not {safety_fraction}.")
     weights = info.bytes_on_disk if weights_bytes is None else weights_bytes
     working = working_bytes(info, n_tokens, prefill_chunk)
-    budget = math.floor(safety_fraction * max(available_bytes, 0))
+    budget = _budget_bytes(available_bytes, safety_fraction)
     exceeds_context = info.max_context > 0 and n_tokens > info.max_context
     verdicts = []
     for level in LEVELS:
@@ -538,9 +550,9 @@ def check_switch_fits(info: ModelInfo, n_tokens: int, level: CompressionLevel | 
     reusable: refusing it by that check would keep a person near the limit from compressing."""
     level = _as_level(level)
     needed = switch_bytes(info, n_tokens, level)
-    budget = math.floor(safety_fraction * max(available_bytes, 0))
+    budget = _budget_bytes(available_bytes, safety_fraction)
     if needed > budget:
-        missing = max(0, math.ceil(needed / safety_fraction) + 1 - max(available_bytes, 0))
+        missing = _missing_bytes(needed, available_bytes, safety_fraction)
         raise MemoryBudgetError(
             f"Switching {n_tokens} tokens of context for {info.name} to {level.label} would need "
             f"{format_bytes(needed)} beside the cache held now (it is freed only once the new one is complete), "
