@@ -370,6 +370,13 @@ class VeloxKVCache(_BaseCache):
         DECODE_GROWTH_SLOTS, rounded up to `step`."""
         return self._slots_for(tokens + min(DECODE_GROWTH_SLOTS, tokens // DECODE_GROWTH_FRACTION))
 
+    def _reset_growth(self) -> None:
+        """Forget the growth bookkeeping (with the buffers, in `_reset_storage`): whether the update being stored is a
+        decode step's (DECODE_STEP_TOKENS), and whether the buffers' last growth was one's (its room is kept: see
+        `_slots_to_keep`)."""
+        self._decoding = False
+        self._grown_by_decode = False
+
     def _growth_slots(self, needed: int, n_new: int, grows_existing: bool) -> int:
         """Token slots to grow buffers to for `needed` tokens, `n_new` of them new, recording which kind of growth it
         is (`_grown_by_decode`): a decode step's room (`_decode_slots_for`) where existing buffers grow at a decode step
@@ -439,10 +446,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         self._window_values: mx.array | None = None
         self._store: dict[str, mx.array] | None = None
         self._n_compressed = 0
-        # Whether the update being stored is a decode step's (DECODE_STEP_TOKENS), and whether the store's last growth
-        # was one's (its room is kept: see `release_room_ahead`).
-        self._decoding = False
-        self._grown_by_decode = False
+        self._reset_growth()
         # (store, config, rows, device, DecodePlan or None) of the last decode step (see `_decode_plan`).
         self._plan_cache: tuple[Any, ...] | None = None
 

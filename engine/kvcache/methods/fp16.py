@@ -69,9 +69,7 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
     def _reset_storage(self) -> None:
         self._keys: mx.array | None = None
         self._values: mx.array | None = None
-        # as SegmentedKVCache's: whether this update is a decode step's, and whether the last growth was one's
-        self._decoding = False
-        self._grown_by_decode = False
+        self._reset_growth()
 
     @classmethod
     def check_config(cls, config: KVCacheConfig, head_dim: int) -> None:
