@@ -602,9 +602,9 @@ class EngineWorker(QObject):
 
     # ----- memory ----------------------------------------------------------------------------------------
     def _fp16_bytes(self, n_tokens: int) -> int:
-
+        # 16 bits even where the model computes in float32 (Linux CPU): the panel compares against a 16-bit cache
         try:
-            return int(cache_bytes(self.info, n_tokens, level_by_key("16")))
+            return int(cache_bytes(replace(self.info, compute_bits=16), n_tokens, level_by_key("16")))
         except VeloxError:
             return int(self.info.kv_bytes_per_token(16)) * n_tokens
 

@@ -186,6 +186,25 @@ def test_estimate_matches_a_real_cache(key: str) -> None:
     assert sum(cache.nbytes for cache in caches) == pytest.approx(cache_bytes(SMOLLM2, 1024, level), rel=0.01)
 
 
+def test_the_uncompressed_level_counts_the_floats_the_loaded_model_computes_in(smollm) -> None:
+    # The app's "Off" level is the session's default cache (mlx-lm's KVCache, or on the Linux CPU fast path
+    # Velox's float32 cache): it holds keys and values in the model's compute dtype, which load_model reports.
+    from engine.chat.session import _default_cache_factory
+    from engine.runtime.cpu.weights import prefer_fp32_weights
+
+    model, _, info = smollm
+    assert info.compute_bits == (32 if prefer_fp32_weights() else 16)
+    caches = _default_cache_factory(model)
+    model(mx.array([[1 + i % 500 for i in range(1024)]]), cache=caches)
+    mx.eval([cache.state for cache in caches])
+    held = sum(cache.nbytes for cache in caches)
+    assert held == pytest.approx(cache_bytes(info, 1024, "16"), rel=0.01)
+    # a folder inspected without loading says 16 bits; the compressed levels store 16-bit parts whatever it says
+    assert cache_bytes(replace(info, compute_bits=16), 1024, "16") * info.compute_bits // 16 == cache_bytes(
+        info, 1024, "16")
+    assert cache_bytes(replace(info, compute_bits=16), 1024, "4") == cache_bytes(info, 1024, "4")
+
+
 def test_levels_make_valid_configs() -> None:
     assert [row[0] for row in LEVEL_TABLE] == ["16", "8", "4", "3", "2"]
     for (key, label, spec, note, measured), level in zip(LEVEL_TABLE, LEVELS, strict=True):

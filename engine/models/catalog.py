@@ -20,13 +20,14 @@ import re
 import struct
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+from mlx.utils import tree_flatten
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from engine.errors import ModelError
@@ -105,6 +106,10 @@ class ModelInfo:
     note: str = ""
     hidden_size: int = 0
     vocab_size: int = 0
+    # Bits of the floats the loaded model computes in, which its uncompressed KV cache holds: 32 where activations
+    # stay float32 (the Linux CPU fast path, or a float32 checkpoint on a GPU), else 16. `load_model` reads it from
+    # the prepared weights; a folder inspected without loading says 16.
+    compute_bits: int = 16
 
     def kv_bytes_per_token(self, bits: float = 16) -> int:
         """Bytes of KV cache one token occupies: K and V, in every layer, for every KV head.
@@ -657,7 +662,8 @@ def resolve_model(spec: str | None, progress: ProgressCallback | None = None) ->
 def load_model(
     path_or_info: str | Path | ModelInfo, progress: ProgressCallback | None = None
 ) -> tuple[Any, Any, ModelInfo]:
-    """Load a model folder with mlx-lm after validating it: (model, tokenizer, info).
+    """Load a model folder with mlx-lm after validating it: (model, tokenizer, info), the info saying the bits the
+    prepared model computes in (`ModelInfo.compute_bits`).
 
     Every failure, including ones raised deep inside MLX, becomes a one-sentence ModelError.
     """
@@ -692,7 +698,15 @@ def load_model(
     _compute_in_declared_dtype_on_gpu(model, info)
     setattr(model, FINGERPRINT_ATTRIBUTE, fingerprint)
     report("Model ready", 1.0)
-    return model, tokenizer, info
+    return model, tokenizer, replace(info, compute_bits=compute_bits(model))
+
+
+def compute_bits(model: Any) -> int:
+    """32 if any of the model's unquantized float parameters is float32, else 16: one float32 weight (a norm, say)
+    promotes every activation after it to float32, and the uncompressed KV cache then holds float32 keys and values
+    (mlx-lm's KVCache keeps the dtype it is given; the Linux CPU fast path's own cache is float32 on purpose)."""
+    floats = [value.dtype for _, value in tree_flatten(model.parameters()) if mx.issubdtype(value.dtype, mx.floating)]
+    return 32 if mx.float32 in floats else 16
 
 
 def _compute_in_declared_dtype_on_gpu(model: Any, info: ModelInfo) -> None:

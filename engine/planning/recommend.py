@@ -240,11 +240,17 @@ def _check_shape(info: ModelInfo) -> None:
 
 def cache_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str) -> int:
     """Bytes of KV cache `n_tokens` tokens take at `level`:
-    n_tokens x 2 x layers x kv_heads x head_dim x effective_bits / 8 (rounded up)."""
+    n_tokens x 2 x layers x kv_heads x head_dim x effective_bits / 8 (rounded up). The uncompressed level holds the
+    floats the model computes in (`info.compute_bits`: 32 on the Linux CPU fast path); compressed levels store their
+    16-bit parts in 16 bits whatever the model computes in."""
     _check_shape(info)
     if n_tokens <= 0:
         return 0
-    bits = _as_level(level).bits_per_value(info.head_dim, n_tokens, info.kv_heads)
+    level = _as_level(level)
+    if level.key == UNCOMPRESSED_LEVEL_KEY:
+        bits = float(info.compute_bits)
+    else:
+        bits = level.bits_per_value(info.head_dim, n_tokens, info.kv_heads)
     return math.ceil(n_tokens * 2 * info.layers * info.kv_heads * info.head_dim * bits / 8)
 
 
