@@ -172,6 +172,43 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
 
 
 @pytest.mark.parametrize(
+    "spec", ["kivi:k4v4:g64:s4:key_block=128", "affine:k4v4:g64"], ids=lambda spec: spec.split(":")[0])
+def test_the_decode_steps_after_a_chunked_prefill_copy_the_store_once(
+    monkeypatch: pytest.MonkeyPatch, spec: str,
+) -> None:
+    """The first decode step gives back a prefill's room ahead and keeps a decode step's room, so the next few hundred
+    steps append their tokens (KIVI's 128-token key blocks) in place. Kept to its tokens rounded up to the 256-token
+    step, the store was copied again within 256 steps: a second copy of every layer's history right after the
+    first (each a stall of the loop at long contexts)."""
+    from engine.kvcache import base
+    from engine.kvcache.methods import kivi
+
+    copies: list[int] = []
+
+    def counting(arrays: list[mx.array]) -> None:
+        copies.append(arrays[0].shape[-2])
+        mx.eval(arrays)
+
+    monkeypatch.setattr(base, "_copy_now", counting)
+    monkeypatch.setattr(kivi, "_copy_now", counting)
+    config = KVCacheConfig.parse(spec)
+    chunk, n_chunks, n_steps = 1024, 4, 300
+    n_prompt = n_chunks * chunk
+    keys, values = random_kv(n_kv_heads=2, n_tokens=n_prompt + n_steps, head_dim=64, seed=31)
+    cache = get_method(config.method)(config)
+    for start in range(0, n_prompt, chunk):
+        cache.update_and_fetch(keys[..., start : start + chunk, :], values[..., start : start + chunk, :])
+        mx.eval(cache._held_arrays())
+    prefill_copies, roomy = len(copies), cache.capacity
+    assert prefill_copies == 1  # the second chunk's growth, with room ahead
+    for t in range(n_prompt, n_prompt + n_steps):
+        cache.update_and_fetch(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+        mx.eval(cache._held_arrays())
+    assert len(copies) == prefill_copies + 1 and cache.capacity < roomy  # the room given back, in one copy
+    assert cache.nbytes == array_bytes(cache)
+
+
+@pytest.mark.parametrize(
     "config",
     [
         KVCacheConfig("kivi", 4, group_size=32, residual_window=32, sink_tokens=4),
@@ -183,9 +220,9 @@ def test_honest_bytes_at_2k_tokens_with_smollm_shapes(config: KVCacheConfig) -> 
 def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_back(config: KVCacheConfig) -> None:
     """The first prefill chunk grows the compressed store to its tokens; a later chunk that grows it grows it with
     room for PREFILL_AHEAD_CHUNKS more chunks of its size, so the next chunks are appended in place (no new buffers);
-    the first decode step gives that room back: nbytes is again every array held, equal to the formula at the tokens
-    rounded up to the 256-token step, and the cache holds the same codes as one filled in 256-token steps (which never
-    grows ahead)."""
+    the first decode step gives that room back, keeping a decode step's room (the steps after it fill that room; kept
+    tighter, they would soon copy the store again): nbytes is again every array held, equal to the formula at the
+    slots kept, and the cache holds the same codes as one filled in 256-token steps (which never grows ahead)."""
     from engine.kvcache.base import PREFILL_AHEAD_CHUNKS
 
     chunk = 1024
@@ -207,15 +244,16 @@ def test_prefill_chunks_grow_the_store_once_ahead_and_decoding_gives_the_room_ba
     before = cache.n_compressed
     cache.update_and_fetch(keys[..., -1:, :], values[..., -1:, :])  # a decode step
     mx.eval(cache._held_arrays())
-    released = math.ceil(before / method.step) * method.step
-    # the room given back; a token that then needs a slot past it grows the store as a decode step does
-    grown = cache.n_compressed > released
-    assert cache.capacity == (cache._decode_slots_for(cache.n_compressed) if grown else released)
+    kept = cache._decode_slots_for(before)
+    assert kept < n_chunks * chunk + chunk - cache.token_block  # the prefill's room was given back
+    # ... to a decode step's room; a token that then needs a slot past it grows the store as a decode step does
+    grown = cache.n_compressed > kept
+    assert cache.capacity == (cache._decode_slots_for(cache.n_compressed) if grown else kept)
     assert cache.nbytes == array_bytes(cache)
     assert cache.nbytes == method.expected_nbytes(cache.config, 64, cache.allocated_tokens, 2)
 
     reference = filled(method(config), keys, values, chunk=256)
-    assert reference.capacity == cache.capacity and reference.n_compressed == cache.n_compressed
+    assert reference.n_compressed == cache.n_compressed
     held, expected = cache._compressed_view(), reference._compressed_view()
     assert held.keys() == expected.keys()
     for name in held:

@@ -67,8 +67,9 @@ DENSE_HISTORY_MAX_BYTES = 256 << 20
 # The 16-bit cache's buffers grow the same way, since each growth now waits for the queued work (COPY_BUFFERS_NOW):
 # growing at every chunk, they would stop the app's pipelined prefill (engine/chat/prefill.py) at every chunk.
 # The room is given back at the first update of at most `step` tokens (a decode step: `release_room_ahead`;
-# mlx-lm's generate_step feeds a prompt's last token on its own), so a cache that starts decoding holds its tokens
-# rounded up to `step` until a decode step grows it (DECODE_GROWTH_SLOTS); nbytes counts the room while it is held.
+# mlx-lm's generate_step feeds a prompt's last token on its own), which keeps a decode step's room
+# (DECODE_GROWTH_SLOTS), since the next steps would soon grow the buffers again (a second copy of the history a few
+# hundred tokens after the first); nbytes counts the room while it is held.
 PREFILL_AHEAD_CHUNKS = 3
 # A decode step that finds its buffers full grows them with room for an eighth of the tokens they hold, at most
 # DECODE_GROWTH_SLOTS (rounded up to `step`, as every growth), where it grew them by `step` before. Every growth
@@ -389,10 +390,14 @@ class VeloxKVCache(_BaseCache):
         ahead = PREFILL_AHEAD_CHUNKS * n_new if n_new > self.step and grows_existing else 0
         return self._slots_for(needed + ahead)
 
-    def _slots_to_keep(self, tokens: int) -> int:
+    def _slots_to_keep(self, tokens: int, decoding: bool = False) -> int:
         """Token slots kept when a prefill's room ahead is given back from buffers holding `tokens` tokens: `tokens`
-        rounded up to `step` (at least `step`), or a decode step's room where the last growth was a decode step's (the
-        next decode steps fill it)."""
+        rounded up to `step` (at least `step`), or a decode step's room where a decode step gives it back (`decoding`)
+        or the last growth was a decode step's: the next decode steps fill that room. Kept tighter, the appends of the
+        next few hundred tokens would grow the buffers again, a second copy of the history right after the first.
+        A decode step's release counts as its growth (`_grown_by_decode`), so later releases keep the room too."""
+        if decoding:
+            self._grown_by_decode = True
         slots = self._decode_slots_for if self._grown_by_decode else self._slots_for
         return max(self.step, slots(tokens))
 
@@ -696,7 +701,7 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
         n_new = keys.shape[-2]
         self._decoding = n_new <= DECODE_STEP_TOKENS
         if n_new <= self.step:  # decoding (not a prefill chunk): no more room ahead needed
-            self.release_room_ahead()
+            self.release_room_ahead(decoding=self._decoding)
         if self._encodes_directly():
             # Every new token goes straight to compressed storage (what the path below does with no window and
             # the sinks full), so the method may take them before its transforms (`_encode_incoming`).
@@ -763,15 +768,16 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
 
         return neutral(keys), neutral(values)
 
-    def release_room_ahead(self) -> None:
+    def release_room_ahead(self, decoding: bool = False) -> None:
         """Give back the room a prefill grew ahead (see PREFILL_AHEAD_CHUNKS): the store copied into buffers of its
-        tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself; a caller that
-        reads `nbytes` after a prefill it never decodes from (a teacher-forced evaluation) calls it. The room a
-        decode step grew is kept, as far as such a growth leaves it (`_decode_slots_for`): the next decode steps
-        fill it; what a trim freed beyond that is given back too."""
+        tokens rounded up to `step` (at least `step`). A cache's first decode step does this itself (`decoding`: it
+        keeps a decode step's room, `_slots_to_keep`); a caller that reads `nbytes` after a prefill it never decodes
+        from (a teacher-forced evaluation) calls it. The room a decode step grew is kept, as far as such a growth
+        leaves it (`_decode_slots_for`): the next decode steps fill it; what a trim freed beyond that is given back
+        too."""
         if self._store is None:
             return
-        keep = self._slots_to_keep(self._n_compressed)
+        keep = self._slots_to_keep(self._n_compressed, decoding)
         if self.capacity > keep:
             kept = {name: _owned(part) for name, part in self._slice_store(self._store, 0, keep).items()}
             _copy_now(list(kept.values()))

@@ -277,7 +277,7 @@ def prefill_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel |
 def decode_room_bytes(info: ModelInfo, n_tokens: int, level: CompressionLevel | str) -> int:
     """Bytes of the room a cache of `n_tokens` tokens at `level` holds past them once decoding grew its buffers: room
     for an eighth more tokens, at most DECODE_GROWTH_SLOTS (engine.kvcache.base; the 16-bit cache's too). Never held
-    at once with a prefill's room ahead (a decode step gives that back before it grows)."""
+    at once with a prefill's room ahead (the first decode step gives that back, keeping this room)."""
     if n_tokens <= 0:
         return 0
     return cache_bytes(info, min(DECODE_GROWTH_SLOTS, n_tokens // DECODE_GROWTH_FRACTION), level)

@@ -100,7 +100,7 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         n_new = keys.shape[-2]
         self._decoding = n_new <= DECODE_STEP_TOKENS
         if n_new <= self.step:  # not a prefill chunk: no more room ahead needed
-            self.release_room_ahead(incoming=n_new)
+            self.release_room_ahead(incoming=n_new, decoding=self._decoding)
         previous = self.offset
         needed = previous + n_new
         dtype = self._storage_dtype()
@@ -128,16 +128,15 @@ class DenseKVCache(AttendsOverOwnStorage, VeloxKVCache):
         self.offset -= n
         return n
 
-    def release_room_ahead(self, incoming: int = 0) -> None:
+    def release_room_ahead(self, incoming: int = 0, decoding: bool = False) -> None:
         """Give back the room a prefill grew ahead, as SegmentedKVCache.release_room_ahead does (the buffers copied into
-        ones of `_slots_to_keep` slots): a cache's first decode step does this itself, a caller reading `nbytes` after
-        a prefill it never decodes from calls it. Where the `incoming` tokens of the step would not fit those slots, the
-        step's growth is made here instead (one copy of the history, not two)."""
+        ones of `_slots_to_keep` slots, a decode step's room where a decode step gives it back): a cache's first decode
+        step does this itself, a caller reading `nbytes` after a prefill it never decodes from calls it. The slots kept
+        hold the `incoming` tokens of the step too, so a step whose tokens would not fit its tokens rounded up makes
+        its growth here (one copy of the history, not two)."""
         if self._keys is None:
             return
-        keep = self._slots_to_keep(self.offset)
-        if self.offset + incoming > keep:
-            keep = self._growth_slots(self.offset + incoming, incoming, grows_existing=True)
+        keep = self._slots_to_keep(self.offset + incoming, decoding)
         if self._keys.shape[-2] > keep:
             kept = [mx.contiguous(self._keys[..., :keep, :]), mx.contiguous(self._values[..., :keep, :])]
             _copy_now(kept)
