@@ -115,9 +115,10 @@ def test_effective_bits_from_the_bytes_actually_held(spec: str, input_dtype: mx.
 
 def test_the_memory_benchmark_reads_a_cache_as_it_holds_it_while_decoding() -> None:
     """`memory.fill` feeds 1,024-token chunks and then the checkpoint's last token on its own (as mlx-lm's generate_step
-    feeds a prompt), so the room a compressed store grows for the next chunks during a prefill is given back before
-    the bytes are read: at 2,048 tokens affine:4 holds exactly what its formula gives (a whole number of 256-token
-    steps), not the room of three more chunks."""
+    feeds a prompt), so the room a compressed store grows for the next chunks during a prefill is given back, and the
+    room it then keeps for the next decode steps is given back before the bytes are read: at 2,048 tokens affine:4
+    holds exactly what its formula gives (a whole number of 256-token steps), not the room of three more chunks nor
+    an eighth more tokens."""
     from benchmarks.harness.memory import held_bytes_curve
     from engine.kvcache import get_method
 

@@ -65,7 +65,8 @@ def load_kv_snapshot(path: Path) -> tuple[list[mx.array], list[mx.array]]:
 def fill(caches: list[Any], keys: list[mx.array], values: list[mx.array], start: int, end: int,
          dtype: mx.Dtype, chunk: int = FILL_CHUNK) -> None:
     """Feed tokens [start, end) of every layer's keys/values into its cache, `chunk` tokens at a time and the last
-    token on its own (`prompt_spans`): the bytes read at `end` are what the cache holds while it decodes."""
+    token on its own (`prompt_spans`), as mlx-lm's generate_step feeds a prompt: at `end` a Velox cache has given back
+    a prefill's room ahead and keeps a decode step's room, as it does when it starts decoding."""
     for s, e in prompt_spans(start, end, chunk):
         for cache, k, v in zip(caches, keys, values, strict=True):
             cache.update_and_fetch(k[..., s:e, :].astype(dtype), v[..., s:e, :].astype(dtype))
@@ -90,6 +91,11 @@ def held_bytes_curve(
     for checkpoint in sorted(checkpoints):
         fill(caches, keys, values, done, checkpoint, dtype)
         done = checkpoint
+        # A decoding Velox cache keeps room for the next steps (up to an eighth more tokens, engine.kvcache.base); given
+        # back here, the bytes read are those of the tokens, rounded up to the 256-token step as mlx-lm's caches are.
+        for cache in caches:
+            if hasattr(cache, "release_room_ahead"):
+                cache.release_room_ahead()
         held = array_bytes(caches)
         velox_nbytes = sum(getattr(cache, "nbytes", 0) for cache in caches)
         rows.append({

@@ -395,10 +395,8 @@ class VeloxKVCache(_BaseCache):
         rounded up to `step` (at least `step`), or a decode step's room where a decode step gives it back (`decoding`)
         or the last growth was a decode step's: the next decode steps fill that room. Kept tighter, the appends of the
         next few hundred tokens would grow the buffers again, a second copy of the history right after the first.
-        A decode step's release counts as its growth (`_grown_by_decode`), so later releases keep the room too."""
-        if decoding:
-            self._grown_by_decode = True
-        slots = self._decode_slots_for if self._grown_by_decode else self._slots_for
+        A caller's own release, not a decode step's, gives that room back too (the bytes of the tokens alone)."""
+        slots = self._decode_slots_for if decoding or self._grown_by_decode else self._slots_for
         return max(self.step, slots(tokens))
 
 
