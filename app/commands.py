@@ -45,7 +45,7 @@ from engine.kvcache.calibration import precompute
 from engine.models.catalog import hf_cached_snapshot, list_models, load_model, resolve_model
 from engine.models.hub import DownloadProgress, download_model, normalize_repo_id
 from engine.planning.memory import snapshot, system_memory
-from engine.planning.recommend import BUDGET_TOKENS, LEVELS, check_fits, prefill_chunk_for
+from engine.planning.recommend import BUDGET_TOKENS, LEVELS, CompressionLevel, check_fits, prefill_chunk_for
 from engine.planning.units import format_bytes
 from engine.runtime.status import on_gpu, runtime_status
 
@@ -103,19 +103,18 @@ def _print_stats(stats: Any) -> None:
     )
 
 
-def _level_key(cache_config: Any) -> str:
-    """The app's compression level whose memory estimate covers `cache_config`: the level itself, else the
-    level with as many key bits, else the 16-bit level (an upper bound for every quantized method)."""
+def _level_for(cache_config: Any) -> CompressionLevel:
+    """What the memory check counts for `cache_config`: the app's level with that configuration (None: the
+    uncompressed level), else the configuration itself, by its method's own bits formula."""
     if cache_config is None:
-        return LEVELS[0].key
+        return LEVELS[0]
     for level in LEVELS:
         if level.config == cache_config:
-            return level.key
-    same_bits = [level.key for level in LEVELS if level.config.key_bits == getattr(cache_config, "key_bits", None)]
-    return same_bits[0] if same_bits else LEVELS[0].key
+            return level
+    return CompressionLevel("custom", cache_config.describe(), cache_config)
 
 
-def _check_memory(session: Any, info: Any, level_key: str, question: str) -> None:
+def _check_memory(session: Any, info: Any, level: CompressionLevel, question: str) -> None:
     """Refuse a turn whose KV cache would not fit in the memory this process may use (cgroup limits
     included), before any token is read: MemoryBudgetError with the engine's explanation; and set the prefill chunk
     the check counted. The app does the same before it reads a document (app/worker.py)."""
@@ -124,8 +123,8 @@ def _check_memory(session: Any, info: Any, level_key: str, question: str) -> Non
     held = session.kv_cache_bytes()  # already allocated: out of "available", but ours to reuse
     available = system_memory()["available"] + held
     # On a GPU the prompt is prefilled in the largest chunk that still fits (engine.planning.recommend)
-    chunk = prefill_chunk_for(info, n_tokens, level_key, available, gpu=on_gpu(), weights_bytes=0)
-    check_fits(info, n_tokens, level_key, available, weights_bytes=0, prefill_chunk=chunk)
+    chunk = prefill_chunk_for(info, n_tokens, level, available, gpu=on_gpu(), weights_bytes=0)
+    check_fits(info, n_tokens, level, available, weights_bytes=0, prefill_chunk=chunk)
     session.settings.prefill_chunk = chunk
 
 
@@ -257,9 +256,9 @@ def _chat(args: argparse.Namespace) -> int:
         saved.restore(session)
     for document in documents:
         session.attach_document(document)
-    level_key = _level_key(cache_config)
+    level = _level_for(cache_config)
     if args.prompt is not None:
-        _check_memory(session, info, level_key, args.prompt)
+        _check_memory(session, info, level, args.prompt)
         degenerate = _saved_turn(session, args.prompt, args.stats, saved, compression)
         if degenerate:
             print(f"error: {degenerate}", file=sys.stderr)
@@ -290,7 +289,7 @@ def _chat(args: argparse.Namespace) -> int:
                 print(f"error: {error}", file=sys.stderr)
             continue
         try:
-            _check_memory(session, info, level_key, line)
+            _check_memory(session, info, level, line)
         except VeloxError as error:
             print(f"error: {error}", file=sys.stderr)
             continue

@@ -24,6 +24,7 @@ from engine.planning.recommend import (
     check_fits,
     fit_verdicts,
     level_by_key,
+    level_verdict,
     recommend,
     resident_weights_bytes,
     working_bytes,
@@ -203,6 +204,27 @@ def test_the_uncompressed_level_counts_the_floats_the_loaded_model_computes_in(s
     assert cache_bytes(replace(info, compute_bits=16), 1024, "16") * info.compute_bits // 16 == cache_bytes(
         info, 1024, "16")
     assert cache_bytes(replace(info, compute_bits=16), 1024, "4") == cache_bytes(info, 1024, "4")
+
+
+def test_a_cache_configuration_of_ones_own_is_counted_by_its_own_formula() -> None:
+    # `velox chat --kv SPEC` checks memory for its own configuration, not for the level with as many bits (or the
+    # 16-bit one, where no level had them)
+    from app.commands import _level_for
+    from engine.kvcache import get_method
+
+    config = KVCacheConfig.parse("affine:k2v2:g64")
+    custom = _level_for(config)
+    assert custom.config == config and custom.key not in LEVEL_KEYS
+    assert _level_for(None) is LEVELS[0] and _level_for(LEVELS[2].config) is LEVELS[2]
+    bits = get_method("affine").effective_bits_per_value(config, 128, 8192, 8)
+    verdict = level_verdict(LLAMA_8B, 8192, custom, 64 * GiB)
+    assert verdict.fits and verdict.cache_bytes == -(-8192 * 2 * 32 * 8 * 128 * bits // 8)
+    assert verdict.cache_bytes < cache_bytes(LLAMA_8B, 8192, "4") < cache_bytes(LLAMA_8B, 8192, "16")
+    assert check_fits(LLAMA_8B, 8192, custom, 64 * GiB) == verdict
+    # every level's verdict in fit_verdicts is the one level_verdict gives
+    assert fit_verdicts(LLAMA_8B, 8192, 8 * GiB) == [level_verdict(LLAMA_8B, 8192, level, 8 * GiB) for level in LEVELS]
+    with pytest.raises(MemoryBudgetError, match="affine"):
+        check_fits(LLAMA_8B, 131072, custom, 8 * GiB)
 
 
 def test_levels_make_valid_configs() -> None:

@@ -351,6 +351,55 @@ def _missing_bytes(needed_bytes: int, available_bytes: int, safety_fraction: flo
     return max(0, math.ceil(needed_bytes / safety_fraction) + 1 - max(available_bytes, 0))
 
 
+def level_verdict(
+    info: ModelInfo,
+    n_tokens: int,
+    level: CompressionLevel | str,
+    available_bytes: int,
+    *,
+    weights_bytes: int | None = None,
+    safety_fraction: float = DEFAULT_SAFETY_FRACTION,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> FitVerdict:
+    """Whether weights + cache + working memory of `n_tokens` at `level` (one of LEVELS, its key, or any
+    CompressionLevel: a cache configuration of one's own) fit in `safety_fraction` of `available_bytes`, with a
+    sentence such as 'fits at 4-bit: 310 MB of cache'."""
+    _check_shape(info)
+    if not 0 < safety_fraction <= 1:
+        raise ValueError(f"safety_fraction must be in (0, 1], not {safety_fraction}.")
+    level = _as_level(level)
+    weights = info.bytes_on_disk if weights_bytes is None else weights_bytes
+    working = working_bytes(info, n_tokens, prefill_chunk)
+    budget = _budget_bytes(available_bytes, safety_fraction)
+    exceeds_context = info.max_context > 0 and n_tokens > info.max_context
+    common = dict(
+        level=level, n_tokens=n_tokens, weights_bytes=weights, budget_bytes=budget,
+        available_bytes=available_bytes, safety_fraction=safety_fraction, exceeds_context=exceeds_context,
+    )
+    try:
+        cache = cache_bytes(info, n_tokens, level)
+        room = max(prefill_room_bytes(info, n_tokens, level, prefill_chunk), decode_room_bytes(info, n_tokens, level))
+        level_working = working + room + growth_copy_bytes(info, n_tokens, level, room)
+    except ConfigError as error:
+        message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
+        return FitVerdict(**common, working_bytes=working, cache_bytes=0, needed_bytes=0, supported=False,
+                          fits=False, message=message)
+    needed = weights + cache + level_working
+    fits = needed <= budget
+    if fits:
+        message = f"fits at {level.label}: {format_bytes(cache)} of cache"
+    else:
+        message = (
+            f"does not fit at {level.label}: needs {format_bytes(needed)} (model {format_bytes(weights)}"
+            f" + cache {format_bytes(cache)} + working memory {format_bytes(level_working)}), "
+            f"{format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
+        )
+    if exceeds_context:
+        message += f" (but {n_tokens} tokens exceed the model's {info.max_context}-token context)"
+    return FitVerdict(**common, working_bytes=level_working, cache_bytes=cache, needed_bytes=needed,
+                      supported=True, fits=fits, message=message)
+
+
 def fit_verdicts(
     info: ModelInfo,
     n_tokens: int,
@@ -360,46 +409,14 @@ def fit_verdicts(
     safety_fraction: float = DEFAULT_SAFETY_FRACTION,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
 ) -> list[FitVerdict]:
-    """For every level (highest precision first): the cache size, whether weights + cache + working memory
-    fit in `safety_fraction` of `available_bytes`, whether `n_tokens` exceeds the model's context, and a
+    """`level_verdict` for every level (highest precision first): the cache size, whether weights + cache + working
+    memory fit in `safety_fraction` of `available_bytes`, whether `n_tokens` exceeds the model's context, and a
     sentence such as 'fits at 4-bit: 310 MB of cache'."""
-    _check_shape(info)
-    if not 0 < safety_fraction <= 1:
-        raise ValueError(f"safety_fraction must be in (0, 1], not {safety_fraction}.")
-    weights = info.bytes_on_disk if weights_bytes is None else weights_bytes
-    working = working_bytes(info, n_tokens, prefill_chunk)
-    budget = _budget_bytes(available_bytes, safety_fraction)
-    exceeds_context = info.max_context > 0 and n_tokens > info.max_context
-    verdicts = []
-    for level in LEVELS:
-        common = dict(
-            level=level, n_tokens=n_tokens, weights_bytes=weights, budget_bytes=budget,
-            available_bytes=available_bytes, safety_fraction=safety_fraction, exceeds_context=exceeds_context,
-        )
-        try:
-            cache = cache_bytes(info, n_tokens, level)
-            room = max(prefill_room_bytes(info, n_tokens, level, prefill_chunk), decode_room_bytes(info, n_tokens, level))
-            level_working = working + room + growth_copy_bytes(info, n_tokens, level, room)
-        except ConfigError as error:
-            message = f"not available at {level.label} for this model: {str(error).rstrip('.')}"
-            verdicts.append(FitVerdict(**common, working_bytes=working, cache_bytes=0, needed_bytes=0, supported=False,
-                                       fits=False, message=message))
-            continue
-        needed = weights + cache + level_working
-        fits = needed <= budget
-        if fits:
-            message = f"fits at {level.label}: {format_bytes(cache)} of cache"
-        else:
-            message = (
-                f"does not fit at {level.label}: needs {format_bytes(needed)} (model {format_bytes(weights)}"
-                f" + cache {format_bytes(cache)} + working memory {format_bytes(level_working)}), "
-                f"{format_bytes(available_bytes)} free of which {safety_fraction:.0%} may be used"
-            )
-        if exceeds_context:
-            message += f" (but {n_tokens} tokens exceed the model's {info.max_context}-token context)"
-        verdicts.append(FitVerdict(**common, working_bytes=level_working, cache_bytes=cache, needed_bytes=needed,
-                                   supported=True, fits=fits, message=message))
-    return verdicts
+    return [
+        level_verdict(info, n_tokens, level, available_bytes, weights_bytes=weights_bytes,
+                      safety_fraction=safety_fraction, prefill_chunk=prefill_chunk)
+        for level in LEVELS
+    ]
 
 
 # ------------------------------------------------------------------------------------------ recommending
@@ -513,15 +530,13 @@ def prefill_chunk_for(
     safety_fraction: float = DEFAULT_SAFETY_FRACTION,
 ) -> int:
     """Tokens per prefill chunk for a context of `n_tokens` at `level`: on a GPU (`gpu`) the largest of
-    GPU_PREFILL_CHUNKS with which weights + cache + working memory still fit (`fit_verdicts`' model), else
+    GPU_PREFILL_CHUNKS with which weights + cache + working memory still fit (`level_verdict`), else
     DEFAULT_PREFILL_CHUNK (always on a CPU; and where nothing larger fits, or the level does not suit the model,
     whose verdict `check_fits` then gives with the default chunk)."""
     if gpu:
-        chosen = _as_level(level)
         for chunk in GPU_PREFILL_CHUNKS:
-            verdicts = fit_verdicts(info, n_tokens, available_bytes, weights_bytes=weights_bytes,
-                                    safety_fraction=safety_fraction, prefill_chunk=chunk)
-            if next(v for v in verdicts if v.level.key == chosen.key).fits:
+            if level_verdict(info, n_tokens, level, available_bytes, weights_bytes=weights_bytes,
+                             safety_fraction=safety_fraction, prefill_chunk=chunk).fits:
                 return chunk
     return DEFAULT_PREFILL_CHUNK
 
@@ -581,14 +596,8 @@ def check_fits(
     """The verdict for `level`; raises MemoryBudgetError when it does not fit, so the work is refused
     before the OS kills the process. ConfigError if the level does not suit the model."""
     chosen = _as_level(level)
-    verdict = next(
-        verdict
-        for verdict in fit_verdicts(
-            info, n_tokens, available_bytes, weights_bytes=weights_bytes, safety_fraction=safety_fraction,
-            prefill_chunk=prefill_chunk,
-        )
-        if verdict.level.key == chosen.key
-    )
+    verdict = level_verdict(info, n_tokens, chosen, available_bytes, weights_bytes=weights_bytes,
+                            safety_fraction=safety_fraction, prefill_chunk=prefill_chunk)
     if not verdict.supported:
         raise ConfigError(f"The {chosen.label} KV cache level cannot be used with {info.name}: {verdict.message}.")
     if not verdict.fits:
