@@ -776,6 +776,26 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(sketch[2], by_path[()]["prefill_tok_s"] / run_fp16)
     checked.append(sketch[0])
 
+    copy_now = re.search(r"A growth of a cache's buffers now\s+copies one layer at a time, and the 16-bit cache grows "
+                         r"ahead for the next chunks too: in the run that timed it the\s+4-bit level prefilled at "
+                         r"(\d\.\d\d)× of the 16-bit cache's speed \((\d\.\d\d)× fed the app's pipelined way\), "
+                         r"against (\d\.\d\d)×\s+\((\d\.\d\d)×\) with both caches as they were "
+                         r"\(`benchmarks/results/prefill-copy-now-h200.json`; BENCHMARKS.md, \*round 28\*\)\.",
+                         section, re.S)
+    assert copy_now, "README no longer quotes the levels' prefill with a growth's copies made one layer at a time"
+    run, _ = _prefill_run("prefill-copy-now-h200.json")
+    by_way = {(r["spec"].split(":")[0], tuple(r.get("kernel_constants", {}))): r for r in reversed(run)}
+    new_fp16, old_fp16 = by_way["fp16", ()], by_way["fp16", ("COPY_BUFFERS_NOW", "PREFILL_AHEAD_CHUNKS")]
+    new_level, old_level = by_way["kivi", ()], by_way["kivi", ("COPY_BUFFERS_NOW",)]
+    assert run[0] is new_fp16  # the first of the run's two rows as shipped
+    _assert_gpu_level(new_level, "4")
+    _assert_gpu_level(old_level, "4")
+    for quoted, (level, fp16, key) in zip(copy_now.groups(), (
+            (new_level, new_fp16, "prefill_tok_s"), (new_level, new_fp16, "pipelined_prefill_tok_s"),
+            (old_level, old_fp16, "prefill_tok_s"), (old_level, old_fp16, "pipelined_prefill_tok_s")), strict=True):
+        assert close(quoted, level[key] / fp16[key]), (quoted, key)
+    checked.append(copy_now[0])
+
     def check_level_ratios(run: dict, context: int, ratios: list[str] | tuple[str, ...], name: str) -> None:
         """The 4-, 3- and 2-bit levels' loop ratios to fp16 quoted at `context`, against their rows of `run`."""
         levels = [r for r in run["rows"] if r["context"] == context and r["spec"].startswith("kivi:")]
