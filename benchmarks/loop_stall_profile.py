@@ -1,15 +1,17 @@
-"""Where a stalled token of mlx-lm's decode loop spends its host time (GPU probe).
+"""Where a stalled token of mlx-lm's decode loop spends its time (GPU probe).
 
     python3 benchmarks/loop_stall_profile.py --out loop-stall-profile.json --context 32769 --steps 300 \
         --specs '<4-bit level>,<3-bit level>'
 
 decode.py counts the loop's stalls (a token taking `STALL_FACTOR` times the median) and where they fall: on the lent
 H200 the levels' fall on their key-block encodes (every 128 tokens), 45-80 ms against a median of 9 ms, without MLX's
-peak memory rising (decode-stall-peaks-h200.json), so they are not copies of the store. This runs the same loop
-(decode.py's 8B model and caches, `generate_step`, greedy) with cProfile switched on around each token only, and
-records, for the slowest tokens and for a median one, the functions with the most time of their own: time inside
-the host's waits for the GPU (the token's `.item()`, an `mx.eval`) says the GPU ran long; time in Python or in
-MLX's recording says the host did. Profiling slows every token alike, so the slow tokens still stand out.
+peak memory rising (decode-stall-peaks-h200.json), so they are not copies of the store. This runs mlx-lm's loop as
+`generate_step` does (the next token recorded on the generation stream while the GPU runs the current one, greedy)
+over decode.py's 8B model and caches, and times each token's three phases apart: `record_ms`, the Python that records
+the next step's graph (the model and the caches' update_and_fetch and attention); `dispatch_ms`, `mx.async_eval` of
+it (MLX encodes the kernels: its CUDA graphs are built, and instantiated where its graph cache misses, and a kernel
+never seen is compiled); `wait_ms`, the current token's `.item()` (the GPU still running the step). The record phase
+is profiled (cProfile) for the slowest tokens, beside a median token's.
 """
 
 from __future__ import annotations
@@ -39,35 +41,51 @@ def top_functions(profile: cProfile.Profile, n: int) -> list[dict[str, Any]]:
 
 def profile_loop(model: Any, caches: list[Any], steps: int, warmup: int, top: int, slowest: int) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+
+    stream = mx.new_stream(mx.default_device())  # mlx-lm's generation_stream
+
+    def record(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        with mx.stream(stream):
+            logits = model(tokens[None], cache=caches)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return mx.argmax(logprobs, axis=-1), logprobs.squeeze(0)
 
     start = int(caches[0].offset)
-    loop = generate_step(mx.array([128], dtype=mx.int32), model, max_tokens=warmup + steps + 1, prompt_cache=caches,
-                         sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
-    tokens: list[tuple[float, int, cProfile.Profile]] = []
-    for index in range(warmup + steps + 1):
+    y, logprobs = record(mx.array([128], dtype=mx.int32))
+    mx.async_eval(y, logprobs)
+    rows: list[dict[str, Any]] = []
+    profiles: list[cProfile.Profile] = []
+    for index in range(warmup + steps):
         profile = cProfile.Profile()
         began = time.perf_counter()
         profile.enable()
-        try:
-            next(loop)
-        except StopIteration:
-            break
-        finally:
-            profile.disable()
+        next_y, next_logprobs = record(y)
+        profile.disable()
+        recorded = time.perf_counter()
+        mx.async_eval(next_y, next_logprobs)
+        dispatched = time.perf_counter()
+        y.item()
+        done = time.perf_counter()
         if index >= warmup:
-            # the loop runs a step ahead: the token yielded now was computed while the next one was recorded
-            tokens.append((time.perf_counter() - began, start + index + 1, profile))
-    seconds = [token[0] for token in tokens]
-    median = statistics.median(seconds)
-    ranked = sorted(tokens, key=lambda token: -token[0])
-    middle = min(tokens, key=lambda token: abs(token[0] - median))
+            # the token read now was recorded a step earlier; the step recorded now makes the cache this long
+            rows.append({"offset": start + index + 2, "ms": (done - began) * 1e3, "record_ms": (recorded - began) * 1e3,
+                         "dispatch_ms": (dispatched - recorded) * 1e3, "wait_ms": (done - dispatched) * 1e3})
+            profiles.append(profile)
+        y, logprobs = next_y, next_logprobs
+    median = statistics.median(row["ms"] for row in rows)
+    ranked = sorted(range(len(rows)), key=lambda i: -rows[i]["ms"])
+    middle = min(range(len(rows)), key=lambda i: abs(rows[i]["ms"] - median))
+
+    def phases(name: str) -> float:
+        return statistics.median(row[name] for row in rows)
+
     return {
-        "median_ms": median * 1e3,
-        "mean_ms": statistics.fmean(seconds) * 1e3,
-        "slowest": [{"offset": offset, "ms": wall * 1e3, "top": top_functions(profile, top)}
-                    for wall, offset, profile in ranked[:slowest]],
-        "median_token": {"offset": middle[1], "ms": middle[0] * 1e3, "top": top_functions(middle[2], top)},
+        "median_ms": median, "mean_ms": statistics.fmean(row["ms"] for row in rows),
+        "median_record_ms": phases("record_ms"), "median_dispatch_ms": phases("dispatch_ms"),
+        "median_wait_ms": phases("wait_ms"),
+        "tokens": rows,
+        "slowest": [{**rows[i], "top": top_functions(profiles[i], top)} for i in ranked[:slowest]],
+        "median_token": {**rows[middle], "top": top_functions(profiles[middle], top)},
     }
 
 
@@ -105,15 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         caches = None
         mx.clear_cache()
-        print(spec[:40], {k: v for k, v in row.items() if k in ("median_ms", "mean_ms", "error")})
-        for token in row.get("slowest", []):
-            print(f"  token at {token['offset']}: {token['ms']:.1f} ms;",
+        print(spec[:40], {k: round(v, 2) for k, v in row.items() if k.endswith("_ms") and k != "ms"},
+              row.get("error", ""))
+        for token in [*row.get("slowest", []), *([row["median_token"]] if "median_token" in row else [])]:
+            print(f"  token at {token['offset']}: {token['ms']:.1f} ms (record {token['record_ms']:.1f}, dispatch "
+                  f"{token['dispatch_ms']:.1f}, wait {token['wait_ms']:.1f});",
                   "; ".join(f"{f['function']} {f['own_ms']:.1f}/{f['cum_ms']:.1f} ms x{f['calls']}"
                             for f in token["top"][:6]))
-        if "median_token" in row:
-            token = row["median_token"]
-            print(f"  median token at {token['offset']}: {token['ms']:.1f} ms;",
-                  "; ".join(f"{f['function']} {f['own_ms']:.1f}/{f['cum_ms']:.1f} ms" for f in token["top"][:6]))
         Path(args.out).write_text(json.dumps({"device": str(mx.default_device()), "rows": rows}, indent=1))
     return 0
 
