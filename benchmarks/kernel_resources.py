@@ -229,12 +229,12 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
                 ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", int(prefetch)), ("TT", TILED_RUN),
-                ("ROPE", int(rope)), ("TRAD", 0), ("KO", int(key.outliers)), ("VSYM", int(value.symmetric)), ("CS", 4), ("NS", 4), ("HW", 1),
+                ("ROPE", int(rope)), ("TRAD", 0), ("KO", int(key.outliers)), ("VSYM", int(value.symmetric)), ("CS", 4), ("NS", 4),
                 ("KCLS", len(key.widths)), ("KBLO", key.widths[0] if key.widths else key.bits),
                 ("KUNI", int(uniform)), ("KMEAN", key.bits),
                 ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qry2": "float32", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
-             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "kgrid": "float32", "vgrid": "float32",
+             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "n_win_r": "uint8", "kgrid": "float32", "vgrid": "float32",
              "rfreq": "float32", "kout": "float16", "kidx": "uint8", "kends": "int32", "kord": "uint8", "kinv": "uint8",
              **{f"w{c}{part}": kind for c in range(1, 4)
                 for part, kind in (("c", "uint32"), ("s", "bfloat16"), ("b", "bfloat16"), ("o", "float16"), ("i", "uint8"))}}

@@ -936,6 +936,55 @@ def test_a_decode_plan_kept_while_blocks_are_appended_reads_them(spec: str, tile
     assert float(mx.max(mx.abs(out - ref))) <= 2e-3
 
 
+@pytest.mark.usefixtures("emulated")
+@pytest.mark.parametrize("tiled", [True, False])
+def test_a_step_that_empties_the_window_launches_the_kernel_every_step_launches(tiled: bool,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key block's encode empties KIVI's window, and the kernel then reads a window count of 0: the launch's
+    template arguments are those of every other step. As a template argument of its own, the empty window made a kernel
+    of its own, which MLX's CUDA backend compiled at the first such step of a process: on an H200 that step took 2.8-4.8
+    s in mlx-lm's loop, 128 tokens into the first answer (loop-stall-profile-32k-h200.json)."""
+    from engine.kvcache.kernels import decode
+
+    if not tiled:
+        monkeypatch.setattr(decode, "TILED", False)
+    config = replace(KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128"),
+                     options={"key_block": 128, "kernels": "require"})
+    cache = KVCacheBuilder(config).for_shape(ModelShape(n_layers=1, n_heads=4 * N_KV, n_kv_heads=N_KV,
+                                                        head_dim=128)).build()[0]
+    rng = np.random.default_rng(5)
+
+    def step(n: int) -> None:
+        cache.update_and_fetch(mx.array(rng.standard_normal((1, N_KV, n, 128), dtype=np.float32)),
+                               mx.array(rng.standard_normal((1, N_KV, n, 128), dtype=np.float32)))
+
+    templates: list[tuple] = []
+
+    def attend_once() -> None:
+        plan = cache._decode_plan(4)
+        real = getattr(plan.attend, "real", plan.attend)  # the kernel, where the plan kept is already spied on
+
+        def spy(**arguments: object) -> object:
+            templates.append(tuple(arguments["template"]))  # type: ignore[arg-type]
+            return real(**arguments)
+
+        spy.real = real  # type: ignore[attr-defined]
+        cache._plan_cache = (*cache._plan_cache[:4], replace(plan, attend=spy))
+        queries = mx.array(rng.standard_normal((1, 4 * N_KV, 1, 128), dtype=np.float32))
+        out = cache.attention(queries, None, None, scale=0.088, mask=None)
+        ref = _reference_of(cache).attention(queries, None, None, scale=0.088, mask=None)
+        assert float(mx.max(mx.abs(out - ref))) <= 2e-3
+
+    step(255)  # the sinks, and a block compressed (the sinks' copies lead its stream), 127 tokens in the window
+    step(1)  # the window's 128th token: its block is encoded, and the window is empty
+    assert cache._window_keys is None and cache.n_compressed == 256
+    attend_once()
+    step(1)
+    assert cache._window_keys is not None
+    attend_once()
+    assert len(templates) == 2 and templates[0] == templates[1]
+
+
 def _width_table(head_dim: int, counts: tuple[int, ...], seed: int, narrowest: int = 2) -> str:
     """`registered_width_table` for one layer of N_KV heads of `head_dim` channels."""
     assert sum(counts) == head_dim

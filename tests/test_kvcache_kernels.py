@@ -156,7 +156,7 @@ def _cuda_unit(source: KernelSource, inputs: dict[str, mx.Dtype], outputs: dict[
 
 
 def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
-    dtypes = {"qry": mx.bfloat16, "qscale": mx.float32, "n_comp_r": mx.uint8}
+    dtypes = {"qry": mx.bfloat16, "qscale": mx.float32, "n_comp_r": mx.uint8, "n_win_r": mx.uint8}
     dtypes |= {n: mx.bfloat16 for n in ("sink_k", "sink_v", "win_k", "win_v")}
     for prefix, codec in (("k", key), ("v", value)):
         kinds = {
@@ -196,7 +196,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
             units.append(_cuda_unit(variant, _attend_dtypes(key, value),
                                     {"part_m": mx.float32, "part_l": mx.float32, "part_o": mx.float32},
                                     {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 64, "CT": 64, "U": 2, "CS": 4, "NS": 4,
-                                     "HW": 1, "TD": mx.bfloat16}))
+                                     "TD": mx.bfloat16}))
     for stages, rotate in ((1, False), (2, False), (2, True)):  # and the rotation applied in the kernel (ROTATE)
         source = encode_source(stages, rotate=rotate)
         names = source.input_names + source.output_names
@@ -221,7 +221,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
                                 {"D": 128, "R": 4, "NT": 128, "G": 64, "GK": 128, "CT": tile, "KB": 5 if classes else 4,
                                  "VB": 4, "KGRID": int(not outliers and not classes), "PF": 1, "VGRID": 0, "ROPE": rope,
                                  "TRAD": 0, "KO": outliers, "VSYM": outliers, "TT": TILED_RUN, "CS": 4, "NS": 4,
-                                 "HW": 1, "KCLS": classes, "KBLO": 2 if classes else 4, "KUNI": uniform,
+                                 "KCLS": classes, "KBLO": 2 if classes else 4, "KUNI": uniform,
                                  "KMEAN": 3 if classes else 4, "TD": mx.bfloat16}))
     # KIVI's history decode: keys before RoPE with block outliers; values with(out) biases; key widths 2-5
     for symmetric, classes in ((0, 0), (1, 0), (1, 4)):

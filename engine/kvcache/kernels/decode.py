@@ -75,7 +75,7 @@ MAX_WIDTH_CLASSES = 4
 # Tokens each subgroup has in flight per iteration (template U).
 UNROLL = 2
 # Whether a plan's constant launch arguments (D, R, NT, G, ..., ~20 for the tiled pass) are compiled into its attention
-# kernel's source, one kernel object per plan, so that a step's call passes only the 4 that vary (CS, NS, HW, TD).
+# kernel's source, one kernel object per plan, so that a step's call passes only the 3 that vary (CS, NS, TD).
 # MLX's CUDA front end formats every template argument into the kernel's source text on every call. With them in the
 # source, decode_attention's own host time (profiled) fell 1.30 -> 0.94 and 1.19 -> 0.93 ms a step (32 layers, the 4-
 # and 2-bit levels; host-profile-plan-constants-h200.json) and their step took 2-5 % less at 8k and 32k, 4 of 4 pairs
@@ -307,7 +307,8 @@ INLINE U64 bits8(const GLOBAL U32* row, int first, int bits) {
 # The attention pass. Template ints: D (head_dim), R (query rows per kv head), NT (threads), G (group),
 # GK (KIVI's key block), CT (tokens per tile of the compressed range), CS (leading compressed tokens not
 # attended: KIVI's copies of the sink tokens, whose 16-bit originals are the sinks), NS (sink tokens),
-# HW (1 if a window is passed), U (tokens per subgroup in flight).
+# U (tokens per subgroup in flight). The window's length comes as a count (n_win_r, a `Ruler` slice), not a template
+# argument: a step that empties the window (a key block's encode) would otherwise launch a kernel of its own.
 _ATTEND_BODY = """
 #ifndef KEY_SKETCH
 #define KEY_SKETCH 0
@@ -319,7 +320,7 @@ _ATTEND_BODY = """
   const int sg = TID / TPT;
   const int bh = GROUP_Y;
   const int n_comp = n_comp_r_shape[0] - 1;
-  const int n_win = HW ? (int)win_k_shape[2] : 0;
+  const int n_win = n_win_r_shape[0] - 1;
   // This split's share: whole tiles of CT compressed tokens (tile starts stay aligned, which the staged
   // KIVI keys need), and the last split also takes the 16-bit tokens (sinks, then the window).
   const int n_tiles = (n_comp + CT - 1) / CT;
@@ -623,7 +624,7 @@ _TILED_BODY = """
   const int off3 = off2 + (e2 - e1) * (CT * (KBLO + 2) / 32);
   const int cls_words = off3 + (e3 - e2) * (CT * (KBLO + 3) / 32);
   const int n_comp = n_comp_r_shape[0] - 1;
-  const int n_win = HW ? (int)win_k_shape[2] : 0;
+  const int n_win = n_win_r_shape[0] - 1;
   const int n_tiles = (n_comp + CT - 1) / CT;
   const int tiles_per_split = (n_tiles + GROUPS_X - 1) / GROUPS_X;
   const int c_begin = GROUP_X * tiles_per_split * CT;
@@ -1383,7 +1384,7 @@ def attend_source(key: Codec, value: Codec) -> KernelSource:
         raise ValueError("Only the tiled pass reads block outliers and key widths.")
     inputs = (
         "qry", *(("qry2",) if key.kind in SKETCH_KINDS else ()), "qscale", "sink_k", "sink_v", "win_k", "win_v",
-        "n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
+        "n_comp_r", "n_win_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
     )
     name = (f"velox_decode_{key.kind}{key.bits}_{key.bits2}{'_l' + str(key.levels) if key.levels else ''}_"
             f"{value.kind}{value.bits}_{value.bits2}{'_l' + str(value.levels) if value.levels else ''}"
@@ -1475,7 +1476,7 @@ TILED = True
 def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
-        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r",
+        "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r", "n_win_r",
         "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx", *WIDTH_INPUTS,
     )
     return KernelSource(
@@ -1678,7 +1679,8 @@ def _no_outliers() -> tuple[mx.array, mx.array]:
 
 
 def _dummy(head_dim: int, dtype: mx.Dtype) -> mx.array:
-    """Stands in for an absent sink or window (never read: NS = 0 or HW = 0); one per dtype and head_dim."""
+    """Stands in for an absent sink or window (never read: NS = 0, or a window count of 0); one per dtype and
+    head_dim."""
     return _constant(("dense", head_dim, str(dtype)), lambda: mx.zeros((1, 1, 1, head_dim), dtype=dtype))
 
 
@@ -1896,8 +1898,8 @@ def decode_attention(
 
     part_m, part_l, part_o = plan.attend(
         inputs=[queries, *(() if sketched is None else (sketched,)), _scale_array(scale), sink_k, sink_v, win_k, win_v,
-                RULER(n_compressed), *plan.arrays],
-        template=[*plan.template, ("CS", n_skipped), ("NS", n_sink), ("HW", int(window is not None)), ("TD", dense)],
+                RULER(n_compressed), RULER(0 if window is None else window[0].shape[-2]), *plan.arrays],
+        template=[*plan.template, ("CS", n_skipped), ("NS", n_sink), ("TD", dense)],
         grid=(splits * threads, bh, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(bh, splits, rows), (bh, splits, rows), (bh, splits, rows, head_dim)],
