@@ -104,11 +104,13 @@ def _print_stats(stats: Any) -> None:
 
 
 def _level_for(cache_config: Any) -> CompressionLevel:
-    """What the memory check counts for `cache_config`: the app's level with that configuration (None: the
-    uncompressed level), else the configuration itself, by its method's own bits formula."""
+    """What the memory check counts for `cache_config`: None (the session's default cache, in the model's compute
+    dtype) is the uncompressed level; a compressed level's configuration is that level; any other configuration,
+    Velox's 16-bit cache included (it stores 16 bits whatever the model computes in), is counted by its method's own
+    bits formula."""
     if cache_config is None:
         return LEVELS[0]
-    for level in LEVELS:
+    for level in LEVELS[1:]:
         if level.config == cache_config:
             return level
     return CompressionLevel("custom", cache_config.describe(), cache_config)

@@ -216,6 +216,9 @@ def test_a_cache_configuration_of_ones_own_is_counted_by_its_own_formula() -> No
     custom = _level_for(config)
     assert custom.config == config and custom.key not in LEVEL_KEYS
     assert _level_for(None) is LEVELS[0] and _level_for(LEVELS[2].config) is LEVELS[2]
+    # Velox's own 16-bit cache stores 16 bits even where the model computes in float32 (the default cache does not)
+    sixteen = _level_for(LEVELS[0].config)
+    assert cache_bytes(replace(LLAMA_8B, compute_bits=32), 8192, sixteen) == cache_bytes(LLAMA_8B, 8192, "16")
     bits = get_method("affine").effective_bits_per_value(config, 128, 8192, 8)
     verdict = level_verdict(LLAMA_8B, 8192, custom, 64 * GiB)
     assert verdict.fits and verdict.cache_bytes == -(-8192 * 2 * 32 * 8 * 128 * bits // 8)
