@@ -315,9 +315,10 @@ class Ruler:
     uploads a small array from the host each step.
     """
 
-    # Slices kept per count: a count changes once per compressed block, and the layers of a model share it, so
-    # a step reuses slices that are already evaluated instead of adding a slice to every layer's graph.
-    MAX_VIEWS = 256
+    # Slices kept, one per count: the compressed count changes once per block and the window's every step, cycling
+    # through the same few hundred (a KIVI window holds under 128 tokens), and the layers of a model share them, so a
+    # step reuses slices that are already evaluated instead of adding a slice to every layer's graph.
+    MAX_VIEWS = 1024
 
     def __init__(self) -> None:
         self._array = mx.zeros((1 << 16,), dtype=mx.uint8)
