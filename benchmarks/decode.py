@@ -180,6 +180,16 @@ def spec_constants(spec: str) -> Iterator[str]:
         set_kernel_constants(previous)
 
 
+def profiled_functions(profiler: Any) -> list[tuple[str, int, float, float]]:
+    """(`file:line(name)`, calls, own seconds, cumulative seconds) of every function a cProfile profiler saw, the most
+    own time first (host_profile.py and loop_stall_profile.py read their profiles through it)."""
+    import pstats
+
+    rows = [(f"{Path(path).name}:{line}({name})", calls, own, cumulative)
+            for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items()]  # type: ignore[attr-defined]
+    return sorted(rows, key=lambda row: -row[2])
+
+
 # The model `key_widths=calibrated` is measured on (set by `run`), and each such config once measured: the widths of
 # a random model's channels are no guide to quality, but they give the layers the class sizes a calibration gives.
 _CALIBRATION_MODEL: list[Any] = []

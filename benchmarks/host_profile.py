@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -52,12 +51,9 @@ def profile_builds(model: Any, spec: str, context: int, steps: int, shape: dict[
             logits = model(token, cache=caches)
             profiler.disable()
             mx.eval(logits)
-    stats = pstats.Stats(profiler)
-    entries = []
-    for (path, line, name), (_, calls, own, total, _) in stats.stats.items():  # type: ignore[attr-defined]
-        entries.append({"function": f"{Path(path).name}:{line}({name})", "calls_per_step": calls / steps,
-                        "own_ms_per_step": own * 1e3 / steps, "total_ms_per_step": total * 1e3 / steps})
-    entries.sort(key=lambda e: -e["own_ms_per_step"])
+    entries = [{"function": function, "calls_per_step": calls / steps, "own_ms_per_step": own * 1e3 / steps,
+                "total_ms_per_step": total * 1e3 / steps}
+               for function, calls, own, total in bench.profiled_functions(profiler)]
     builds.sort()
     return {"spec": text, **bench.constants_entry(spec), "context": context, "build_ms": builds[len(builds) // 2],
             "profiled_ms": sum(e["own_ms_per_step"] for e in entries), "top": entries[:top]}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -30,13 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def top_functions(profile: cProfile.Profile, n: int) -> list[dict[str, Any]]:
-    """The `n` functions with the most time of their own in `profile`: name, own seconds, cumulative, calls."""
-    stats = pstats.Stats(profile)
-    rows = []
-    for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(file).name}:{line}({name})", "own_ms": own * 1e3,
-                     "cum_ms": cumulative * 1e3, "calls": calls})
-    return sorted(rows, key=lambda row: -row["own_ms"])[:n]
+    """The `n` functions with the most time of their own in `profile`: name, own and cumulative ms, calls."""
+    from benchmarks.decode import profiled_functions
+
+    return [{"function": function, "own_ms": own * 1e3, "cum_ms": cumulative * 1e3, "calls": calls}
+            for function, calls, own, cumulative in profiled_functions(profile)[:n]]
 
 
 def profile_loop(model: Any, caches: list[Any], steps: int, warmup: int, top: int, slowest: int) -> dict[str, Any]:
@@ -109,17 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     model = decode.build_model(shape)
     rows = []
     for spec in args.specs.split(","):
-        cache_spec, constants = decode.split_spec(spec)
-        saved = decode.set_kernel_constants(constants)
         try:
-            caches = decode.make_caches(cache_spec, shape["layers"], shape)
-            decode.fill(caches, args.context, shape)
-            row = {"spec": spec, "context": args.context,
-                   **profile_loop(model, caches, args.steps, args.warmup, args.top, args.slowest)}
+            with decode.spec_constants(spec) as cache_spec:
+                caches = decode.make_caches(cache_spec, shape["layers"], shape)
+                decode.fill(caches, args.context, shape)
+                row = {"spec": spec, "context": args.context,
+                       **profile_loop(model, caches, args.steps, args.warmup, args.top, args.slowest)}
         except Exception as error:  # noqa: BLE001 - one spec's failure is recorded, the others still run
             row = {"spec": spec, "context": args.context, "error": f"{type(error).__name__}: {error}"}
-        finally:
-            decode.set_kernel_constants(saved)
         rows.append(row)
         caches = None
         mx.clear_cache()
