@@ -3,6 +3,7 @@
     velox bench decode --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
                        [--steps 10] [--warmup 3] [--rounds 1] [--no-generate] [--prefill 32768] [--shape 8b|tiny]
     python benchmarks/decode.py ...   (the same, from a checkout without installing)
+    python benchmarks/decode.py --out decode.json --merge 8k.json 32k.json 131k.json   (one record of several runs)
 
 A Llama-3.1-8B-shaped model (32 layers, 32 query / 8 kv heads, head_dim 128, hidden 4096, MLP 14336,
 vocabulary 128256) built with mlx-lm's own llama class, its weights random and quantized to 4 bits in groups
@@ -607,6 +608,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "work as the app's does): gen_tok_s, gen_vs_fp16 (default: on)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
                         help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", default=None,
+                        help="measure nothing: write --out as one record of these runs' records (a table timed one "
+                             "context per call, where a call's time is limited)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -615,8 +619,49 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
+# Fields of a record that describe its run rather than the model and method of measurement: a merged record keeps
+# each part's under `parts`.
+_RUN_FIELDS = ("device", "gpu", "loadavg_start", "loadavg_end", "read_bytes_per_second", "note")
+
+
+def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of several runs of this script (e.g. one context per call): their rows in order, the contexts in
+    the order first seen, and each run's own fields under `parts`. The runs must have measured alike (same shape,
+    steps, warmup, rounds, MLX and kernel constants); a context measured twice is refused, since its ratios to fp16
+    would come from two runs."""
+    if not records:
+        raise ValueError("Nothing to merge.")
+    first = records[0]
+    alike = ("schema", "kind", "mlx", "shape", "steps", "warmup", "fill_chunk", "kernel_constants", "rounds",
+             "weight_bytes")
+    for record in records[1:]:
+        differing = [field for field in alike if record.get(field) != first.get(field)]
+        if differing:
+            raise ValueError(f"These runs were not measured alike: {', '.join(differing)} differ.")
+    contexts: list[int] = []
+    for record in records:
+        for context in sorted({row["context"] for row in record["rows"]}):
+            if context in contexts:
+                raise ValueError(f"Context {context} is in more than one run.")
+            contexts.append(context)
+    merged = {key: value for key, value in first.items() if key not in (*_RUN_FIELDS, "rows", "prefill", "profile")}
+    merged["contexts"] = contexts
+    merged["parts"] = [{key: record[key] for key in _RUN_FIELDS if key in record} | {
+        "contexts": sorted({row["context"] for row in record["rows"]})} for record in records]
+    merged["rows"] = [row for record in records for row in record["rows"]]
+    prefill = [row for record in records for row in record.get("prefill", [])]
+    if prefill:
+        merged["prefill"] = prefill
+    return merged
+
+
 def run(args: argparse.Namespace) -> int:
     """The decode benchmark of parsed `add_arguments` options; writes args.out, returns the exit code."""
+    if getattr(args, "merge", None):
+        merged = merge_records([json.loads(Path(path).read_text()) for path in args.merge])
+        Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"{args.out}: {len(merged['rows'])} rows, contexts {', '.join(map(str, merged['contexts']))}")
+        return 0
     from engine.runtime import prepare_runtime
 
     prepare_runtime()  # the CPU fast path must be set up before MLX is first imported (no-op on a GPU)

@@ -1277,6 +1277,34 @@ def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> N
     assert fp16["vs_fp16"] == 1.0
 
 
+def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> None:
+    """--merge: a table timed one context per call (a lent GPU's call is limited) becomes one record, its rows in
+    order and each run's own fields kept under `parts`; a context timed twice, or runs measured unlike, are refused."""
+    parts = []
+    for context in ("129", "67"):
+        out = tmp_path / f"decode-{context}.json"
+        done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--contexts", context,
+                      "--specs", "fp16,kivi:k4v4:g64", "--steps", "2", "--warmup", "1", "--rounds", "2", "--no-generate")
+        assert done.returncode == 0, done.stderr
+        parts.append(out)
+    merged_path = tmp_path / "decode.json"
+    done = _velox("bench", "decode", "--out", str(merged_path), "--merge", *map(str, parts))
+    assert done.returncode == 0, done.stderr
+    merged = json.loads(merged_path.read_text())
+    runs = [json.loads(path.read_text()) for path in parts]
+    assert merged["contexts"] == [129, 67]
+    assert merged["rows"] == runs[0]["rows"] + runs[1]["rows"]
+    assert [part["contexts"] for part in merged["parts"]] == [[129], [67]]
+    assert [part["loadavg_start"] for part in merged["parts"]] == [run["loadavg_start"] for run in runs]
+    assert merged["rounds"] == 2 and merged["shape"] == runs[0]["shape"] and "loadavg_start" not in merged
+
+    from benchmarks import decode
+
+    with pytest.raises(ValueError, match="more than one run"):
+        decode.merge_records([runs[0], runs[0]])
+    with pytest.raises(ValueError, match="steps"):
+        decode.merge_records([runs[0], {**runs[1], "steps": 3}])
+
 def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """With an even number of rounds the median is the mean of the middle two, for the step and for the ratio
     alike (taking the upper middle gave a row the slower step but the higher ratio: two different rounds)."""
