@@ -625,10 +625,12 @@ _RUN_FIELDS = ("device", "gpu", "loadavg_start", "loadavg_end", "read_bytes_per_
 
 
 def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record of several runs of this script (e.g. one context per call): their rows in order, the contexts in
-    the order first seen, and each run's own fields under `parts`. The runs must have measured alike (same shape,
-    steps, warmup, rounds, MLX and kernel constants); a context measured twice is refused, since its ratios to fp16
-    would come from two runs."""
+    """One record of several runs of this script (a table timed a context, or a group of caches, per call): their
+    rows in order, the contexts in the order first seen, and each run's own fields under `parts`. The runs must have
+    measured alike (same shape, steps, warmup, rounds, MLX and kernel constants), and a cache and context may be in
+    one run only, except the 16-bit reference: a run that splits a context's caches across calls times fp16 in each
+    (a row's ratios are to its own run's fp16), and the later runs' fp16 rows are kept under their part's
+    `reference_rows`, so `rows` holds each (spec, context) once."""
     if not records:
         raise ValueError("Nothing to merge.")
     first = records[0]
@@ -638,17 +640,24 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         differing = [field for field in alike if record.get(field) != first.get(field)]
         if differing:
             raise ValueError(f"These runs were not measured alike: {', '.join(differing)} differ.")
-    contexts: list[int] = []
-    for record in records:
-        for context in sorted({row["context"] for row in record["rows"]}):
-            if context in contexts:
-                raise ValueError(f"Context {context} is in more than one run.")
-            contexts.append(context)
     merged = {key: value for key, value in first.items() if key not in (*_RUN_FIELDS, "rows", "prefill", "profile")}
-    merged["contexts"] = contexts
-    merged["parts"] = [{key: record[key] for key in _RUN_FIELDS if key in record} | {
-        "contexts": sorted({row["context"] for row in record["rows"]})} for record in records]
-    merged["rows"] = [row for record in records for row in record["rows"]]
+    merged["contexts"], merged["parts"], merged["rows"] = [], [], []
+    seen: set[tuple[str, int]] = set()
+    for record in records:
+        part = {key: record[key] for key in _RUN_FIELDS if key in record}
+        part["contexts"] = sorted({row["context"] for row in record["rows"]})
+        for row in record["rows"]:
+            pair = (row["spec"], row["context"])
+            if pair in seen:
+                if row["spec"] != "fp16":
+                    raise ValueError(f"{row['spec']} at {row['context']} tokens is in more than one run.")
+                part.setdefault("reference_rows", []).append(row)
+                continue
+            seen.add(pair)
+            merged["rows"].append(row)
+            if row["context"] not in merged["contexts"]:
+                merged["contexts"].append(row["context"])
+        merged["parts"].append(part)
     prefill = [row for record in records for row in record.get("prefill", [])]
     if prefill:
         merged["prefill"] = prefill

@@ -1278,13 +1278,14 @@ def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> N
 
 
 def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> None:
-    """--merge: a table timed one context per call (a lent GPU's call is limited) becomes one record, its rows in
-    order and each run's own fields kept under `parts`; a context timed twice, or runs measured unlike, are refused."""
+    """--merge: a table timed a context or a group of caches per call (a lent GPU's call is limited) becomes one
+    record, its rows in order and each run's own fields kept under `parts`; a later run's fp16 row of a context
+    already merged goes to its part's `reference_rows`; a cache timed twice, or runs measured unlike, are refused."""
     parts = []
-    for context in ("129", "67"):
-        out = tmp_path / f"decode-{context}.json"
+    for context, specs in (("129", "fp16,kivi:k4v4:g64"), ("67", "fp16,kivi:k4v4:g64"), ("67", "fp16,affine:k4v4:g64")):
+        out = tmp_path / f"decode-{len(parts)}.json"
         done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--contexts", context,
-                      "--specs", "fp16,kivi:k4v4:g64", "--steps", "2", "--warmup", "1", "--rounds", "2", "--no-generate")
+                      "--specs", specs, "--steps", "2", "--warmup", "1", "--rounds", "2", "--no-generate")
         assert done.returncode == 0, done.stderr
         parts.append(out)
     merged_path = tmp_path / "decode.json"
@@ -1293,14 +1294,17 @@ def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> N
     merged = json.loads(merged_path.read_text())
     runs = [json.loads(path.read_text()) for path in parts]
     assert merged["contexts"] == [129, 67]
-    assert merged["rows"] == runs[0]["rows"] + runs[1]["rows"]
-    assert [part["contexts"] for part in merged["parts"]] == [[129], [67]]
+    assert merged["rows"] == runs[0]["rows"] + runs[1]["rows"] + runs[2]["rows"][1:]
+    assert [(row["spec"], row["context"]) for row in merged["rows"]] == [
+        ("fp16", 129), ("kivi:k4v4:g64", 129), ("fp16", 67), ("kivi:k4v4:g64", 67), ("affine:k4v4:g64", 67)]
+    assert merged["parts"][2]["reference_rows"] == runs[2]["rows"][:1]
+    assert [part["contexts"] for part in merged["parts"]] == [[129], [67], [67]]
     assert [part["loadavg_start"] for part in merged["parts"]] == [run["loadavg_start"] for run in runs]
     assert merged["rounds"] == 2 and merged["shape"] == runs[0]["shape"] and "loadavg_start" not in merged
 
     from benchmarks import decode
 
-    with pytest.raises(ValueError, match="more than one run"):
+    with pytest.raises(ValueError, match="kivi:k4v4:g64 at 129 tokens is in more than one run"):
         decode.merge_records([runs[0], runs[0]])
     with pytest.raises(ValueError, match="steps"):
         decode.merge_records([runs[0], {**runs[1], "steps": 3}])
