@@ -2,7 +2,8 @@
 
     python benchmarks/plot_decode.py [--rows benchmarks/results/decode-h200.json] [--out docs/figures/decode-h200.svg]
 
-Top panel: tok/s of one whole-model decode step, bars grouped by context, one colour per cache (fp16, the
+Top panel: tok/s of one whole-model decode step (or, with `--series loop`, of mlx-lm's own decode loop, the
+`gen_tok_s` of a run made without --no-generate: what the app and `velox serve` run), bars grouped by context, one colour per cache (fp16, the
 reference, in black with a dashed line across its group so every other bar reads against it). Bottom panel,
 when the rows carry `bound_tok_s`: each bar's share of its memory bound (the speed of a step that reads the
 weights and the cache once at the measured bandwidth), the bound drawn as the 100 % line. A cache that failed
@@ -124,8 +125,26 @@ def default_title(record: dict[str, Any]) -> str:
     return f"Whole-model decode, {device}, {model}, {shape.get('weight_bits', '?')}-bit weights"
 
 
-def render_svg(record: dict[str, Any], source: str, title: str | None = None) -> str:
-    """The SVG text of one decode run (`record` as benchmarks/decode.py writes it)."""
+# What a figure's bars show: the row fields of its speed and of its ratio to fp16, and the subtitle's words for it.
+SERIES = {
+    "step": ("tok_s", "vs_fp16", "tok/s of one step, model(token, cache=caches), median of {steps} after {warmup} "
+                                 "warm-ups"),
+    "loop": ("gen_tok_s", "gen_vs_fp16", "tok/s of mlx-lm's decode loop (generate_step, as the app runs it), mean over "
+                                         "{steps} tokens after {warmup}"),
+}
+
+
+def render_svg(record: dict[str, Any], source: str, title: str | None = None, series: str = "step") -> str:
+    """The SVG text of one decode run (`record` as benchmarks/decode.py writes it); `series` one of SERIES."""
+    speed, ratio_key, measure = SERIES[series]
+    if series != "step":
+        if not any(speed in row for row in record["rows"]):
+            raise ValueError(f"This run has no {speed} (it was made with --no-generate): draw its steps instead.")
+        record = {**record, "rows": [
+            {key: value for key, value in row.items() if key not in ("tok_s", "vs_fp16")}
+            | ({"tok_s": row[speed]} if speed in row else {"error": row.get("error", f"no {speed} in this run")})
+            | ({"vs_fp16": row[ratio_key]} if ratio_key in row else {})
+            for row in record["rows"]]}
     rows = record["rows"]
     specs = list(dict.fromkeys(row["spec"] for row in rows))
     contexts = sorted({row["context"] for row in rows})
@@ -156,8 +175,8 @@ def render_svg(record: dict[str, Any], source: str, title: str | None = None) ->
 
     shape = record.get("shape", {})
     rounds = record.get("rounds", 1)
-    subtitle = (f"tok/s of one step, model(token, cache=caches), median of {record.get('steps', '?')} after "
-                f"{record.get('warmup', '?')} warm-ups" + (f", of {rounds} rounds" if rounds > 1 else "")
+    subtitle = (measure.format(steps=record.get("steps", "?"), warmup=record.get("warmup", "?"))
+                + (f", of {rounds} rounds" if rounds > 1 else "")
                 + f"; {shape.get('layers', '?')} layers, "
                 f"{shape.get('heads', '?')} query / {shape.get('kv_heads', '?')} KV heads, head_dim "
                 f"{shape.get('head_dim', '?')}, {shape.get('dtype', '?')}, {shape.get('weight_bits', '?')}-bit "
@@ -280,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=str(DEFAULT_ROWS), help="a decode.py JSON file (default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the SVG to write (default: %(default)s)")
     parser.add_argument("--title", default=None, help="instead of the title made from the run's record")
+    parser.add_argument("--series", choices=tuple(SERIES), default="step",
+                        help="the bars: one synchronous step (default) or mlx-lm's decode loop (gen_tok_s)")
     args = parser.parse_args(argv)
     rows_path = Path(args.rows)
     record = json.loads(rows_path.read_text())
@@ -289,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         source = rows_path.name
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_svg(record, source, args.title), encoding="utf-8")
+    out.write_text(render_svg(record, source, args.title, args.series), encoding="utf-8")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

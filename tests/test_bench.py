@@ -1450,6 +1450,36 @@ def test_plot_decode_draws_one_series_per_spec(tmp_path: Path) -> None:
     assert len([r for r in svg.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]) == 4  # top panel only
 
 
+def test_plot_decode_draws_the_loop_series_where_the_run_timed_it(tmp_path: Path) -> None:
+    """--series loop: the bars are mlx-lm's loop (gen_tok_s) and say so; a run made with --no-generate is refused."""
+    import xml.etree.ElementTree as ET
+
+    from benchmarks import plot_decode
+
+    rows = [
+        {"spec": "fp16", "context": 257, "tok_s": 90.0, "gen_tok_s": 120.0, "gen_vs_fp16": 1.0},
+        {"spec": "kivi:4:64", "context": 257, "tok_s": 45.0, "gen_tok_s": 90.0, "gen_vs_fp16": 0.75},
+        {"spec": "mlx-q:4", "context": 257, "error": "RuntimeError: no kernel"},
+    ]
+    source = tmp_path / "decode.json"
+    source.write_text(json.dumps(_decode_record(rows)))
+    out = tmp_path / "figure.svg"
+    assert plot_decode.main(["--rows", str(source), "--out", str(out), "--series", "loop"]) == 0
+    ns = "{http://www.w3.org/2000/svg}"
+    svg = ET.parse(out).getroot()
+    series = {g.get("data-spec"): g for g in svg.iter(f"{ns}g") if g.get("class") == "series"}
+    heights = {spec: [float(r.get("height")) for r in g.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+               for spec, g in series.items()}
+    assert heights["kivi:4:64"][0] / heights["fp16"][0] == pytest.approx(0.75, abs=0.01) and heights["mlx-q:4"] == []
+    titles = "".join(t.text or "" for t in svg.iter(f"{ns}title"))
+    assert "90.0 tok/s, 0.75× fp16" in titles
+    assert "mlx-lm's decode loop" in "".join(t.text or "" for t in svg.iter(f"{ns}text"))
+    for row in rows:
+        row.pop("gen_tok_s", None)
+    with pytest.raises(ValueError, match="--no-generate"):
+        plot_decode.render_svg(_decode_record(rows), "decode.json", series="loop")
+
+
 def test_decode_figure_legend_wraps_long_specs_and_leaves_out_the_models_rope() -> None:
     from benchmarks import plot_decode
 
