@@ -191,10 +191,12 @@ def profiled_functions(profiler: Any) -> list[tuple[str, int, float, float]]:
     return sorted(rows, key=lambda row: -row[2])
 
 
-# The model `key_widths=calibrated` is measured on (set by `run`), and each such config once measured: the widths of
-# a random model's channels are no guide to quality, but they give the layers the class sizes a calibration gives.
+# The model `key_widths=calibrated` and vq's codebooks are measured on (set by `run`), and each such config once
+# measured: the widths of a random model's channels are no guide to quality, but they give the layers the class sizes
+# a calibration gives.
 _CALIBRATION_MODEL: list[Any] = []
 _CALIBRATED: dict[str, Any] = {}
+_CODEBOOKS: dict[str, str] = {}  # vq codebook folders made by `_with_codebooks`, by bits, rotation, seed and shape
 
 
 def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
@@ -212,6 +214,32 @@ def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
         tokens = np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
         _CALIBRATED[text] = KVCacheBuilder(config).for_model(_CALIBRATION_MODEL[0], calibration_tokens=tokens).config
     return _CALIBRATED[text]
+
+
+def _with_codebooks(config: Any, shape: dict[str, Any]) -> Any:
+    """`config` (method vq, no `codebooks` option) with codebooks calibrated on the benchmark's model (1,024 seeded
+    random tokens, as `_calibrated`), saved once per bit width in a folder of this process: product VQ needs a
+    calibration of its model, and this model's weights are random, so its codebooks are made here, not shipped
+    (their fit does not change the speed a step has: every code costs the same lookup)."""
+    import tempfile
+
+    import numpy as np
+
+    from engine.kvcache.calibration import calibrate_vq
+    from engine.kvcache.quant.vq import model_identity, save_codebooks
+
+    key = f"vq{config.key_bits}:{config.rotation}:{config.seed}:{shape['layers']}:{shape['head_dim']}"
+    if key not in _CODEBOOKS:
+        if not _CALIBRATION_MODEL:
+            _CALIBRATION_MODEL[:] = [build_model(shape)]
+        model = _CALIBRATION_MODEL[0]
+        tokens = np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
+        arrays = calibrate_vq(model, tokens, config.key_bits, rotation=config.rotation, seed=config.seed)
+        folder = tempfile.mkdtemp(prefix="velox-bench-vq-")
+        save_codebooks(folder, config.key_bits, arrays, model_identity(model, name="velox-bench"),
+                       rotation=config.rotation, seed=config.seed)
+        _CODEBOOKS[key] = folder
+    return replace(config, options={**config.options, "codebooks": _CODEBOOKS[key]})
 
 
 def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list[Any]:
@@ -239,6 +267,8 @@ def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list
             config = replace(config, options={**config.options, "kernels": mode or "auto", "prefill_attention": "auto"})
         if config.options.get("key_widths") == "calibrated":
             config = _calibrated(config, shape)
+        if config.method == "vq" and not config.options.get("codebooks"):
+            config = _with_codebooks(config, shape)
         return KVCacheBuilder(config).for_shape(model_shape).build()
     head, *extras = text.split("+")
     method, *rest = head.split(":")

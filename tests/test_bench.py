@@ -4,6 +4,7 @@ from held bytes, spec parsing, needle prompts, result files and the report. No t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -1308,6 +1309,29 @@ def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> N
         decode.merge_records([runs[0], runs[0]])
     with pytest.raises(ValueError, match="steps"):
         decode.merge_records([runs[0], {**runs[1], "steps": 3}])
+
+def test_decode_calibrates_vq_codebooks_on_its_own_model() -> None:
+    """A `vq` spec without codebooks gets codebooks calibrated on the benchmark's model (once per bit width), so
+    product VQ has its row in the whole-model table; its caches decode through the model like any other's."""
+    from benchmarks import decode
+
+    shape = decode.SHAPES["tiny"]
+    decode._CALIBRATION_MODEL[:] = [decode.build_model(shape)]
+    try:
+        caches = decode.make_caches("vq:k2v2:g64", shape["layers"], shape)
+        again = decode.make_caches("vq:k2v2:g64", shape["layers"], shape)
+        folder = caches[0].config.options["codebooks"]
+        assert again[0].config.options["codebooks"] == folder and Path(folder).is_dir()
+        decode.fill(caches, 70, shape)
+        logits = decode._CALIBRATION_MODEL[0](mx.array([[5]]), cache=caches)
+        assert logits.shape[:2] == (1, 1) and bool(mx.all(mx.isfinite(logits)).item())
+        assert caches[0].offset == 71 and caches[0].nbytes > 0
+    finally:
+        decode._CALIBRATION_MODEL.clear()
+        for made in decode._CODEBOOKS.values():
+            shutil.rmtree(made, ignore_errors=True)
+        decode._CODEBOOKS.clear()
+
 
 def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """With an even number of rounds the median is the mean of the middle two, for the step and for the ratio
