@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import platform
@@ -51,7 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -395,11 +396,14 @@ def token_latency(token_seconds: list[float], token_offsets: list[int] | None = 
 
 
 def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: argparse.Namespace,
-                     shape: dict[str, Any], bandwidth: float, weights: int) -> list[dict[str, Any]]:
+                     shape: dict[str, Any], bandwidth: float, weights: int,
+                     on_round: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """--rounds N: every spec's caches filled to `context` at once, then N rounds each timing every spec in
     turn, so the 16-bit reference and each cache are measured minutes, not a whole run, apart (on the lent GPU
     one figure moved by 25 % between runs of the same code). Per spec: the median over rounds of each round's
-    median step, and `vs_fp16` the median of the per-round ratios to fp16's step, with their range."""
+    median step, and `vs_fp16` the median of the per-round ratios to fp16's step, with their range. `on_round` is
+    given the rows of the rounds done so far after each round but the last (a caller writes them, so a run that its
+    time limit cuts short keeps its finished rounds)."""
     import mlx.core as mx
 
     filled: dict[str, list[Any]] = {}
@@ -420,7 +424,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     tokens: dict[str, list[float]] = {spec: [] for spec in filled}
     offsets: dict[str, list[int]] = {spec: [] for spec in filled}
     peaks: dict[str, list[int]] = {spec: [] for spec in filled}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for spec, caches in list(filled.items()):
             try:
                 with spec_constants(spec):
@@ -432,25 +436,13 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
             except Exception as error:
                 rows[spec]["error"] = _error_text(error)
                 del filled[spec]
-
-    # statistics.median: with an even number of rounds the mean of the middle two, so a row's tok/s and its ratio
-    # to fp16 come from the same rounds (the upper middle alone gave the slower step but the higher ratio).
-    median = statistics.median
+        if on_round is not None and round_index < args.rounds - 1:
+            on_round([_round_row(dict(row), steps, generated, tokens, offsets, peaks) for row in rows.values()])
 
     out = []
     for spec, row in rows.items():
+        row = _round_row(row, steps, generated, tokens, offsets, peaks)
         if "error" not in row:
-            row |= {"tok_s": 1 / median(steps[spec]), "ms": median(steps[spec]) * 1000,
-                    "rounds_ms": [t * 1000 for t in steps[spec]]}
-            if generated[spec]:
-                row |= {"gen_tok_s": 1 / median(generated[spec]), "gen_ms": median(generated[spec]) * 1000,
-                        "rounds_gen_ms": [t * 1000 for t in generated[spec]]} | token_latency(
-                    tokens[spec], offsets[spec], peaks[spec])
-            for key, series in (("vs_fp16", steps), ("gen_vs_fp16", generated)):
-                reference = series.get("fp16")
-                if reference and series[spec] and len(reference) == len(series[spec]):
-                    ratios = sorted(a / b for a, b in zip(reference, series[spec], strict=True))
-                    row[key], row[key + "_range"] = median(ratios), [ratios[0], ratios[-1]]
             print(f"{spec:16s} {context:7d}: {row['tok_s']:7.1f} tok/s, x{row.get('vs_fp16', float('nan')):.2f} fp16 "
                   f"(rounds {', '.join(f'{t:.2f}' for t in row['rounds_ms'])} ms)"
                   + (f"; mlx-lm loop x{row['gen_vs_fp16']:.2f}" if "gen_vs_fp16" in row else "")
@@ -464,6 +456,35 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
     gc.collect()
     mx.clear_cache()
     return out
+
+
+def _write_partial(out: Path, record: dict[str, Any], done: list[dict[str, Any]],
+                   partial: list[dict[str, Any]]) -> None:
+    out.write_text(json.dumps({**record, "rows": done + partial, "partial": True}, indent=1) + "\n")
+
+
+def _round_row(row: dict[str, Any], steps: dict[str, list[float]], generated: dict[str, list[float]],
+               tokens: dict[str, list[float]], offsets: dict[str, list[int]],
+               peaks: dict[str, list[int]]) -> dict[str, Any]:
+    """`row` (a spec's fields before timing) with its rounds' figures so far, as `interleaved_rows` reports them."""
+    # statistics.median: with an even number of rounds the mean of the middle two, so a row's tok/s and its ratio
+    # to fp16 come from the same rounds (the upper middle alone gave the slower step but the higher ratio).
+    median = statistics.median
+    spec = row["spec"]
+    if "error" in row or not steps.get(spec):
+        return row
+    row |= {"tok_s": 1 / median(steps[spec]), "ms": median(steps[spec]) * 1000,
+            "rounds_ms": [t * 1000 for t in steps[spec]]}
+    if generated[spec]:
+        row |= {"gen_tok_s": 1 / median(generated[spec]), "gen_ms": median(generated[spec]) * 1000,
+                "rounds_gen_ms": [t * 1000 for t in generated[spec]]} | token_latency(
+            tokens[spec], offsets[spec], peaks[spec])
+    for key, series in (("vs_fp16", steps), ("gen_vs_fp16", generated)):
+        reference = series.get("fp16")
+        if reference and series[spec] and len(reference) == len(series[spec]):
+            ratios = sorted(a / b for a, b in zip(reference, series[spec], strict=True))
+            row[key], row[key + "_range"] = median(ratios), [ratios[0], ratios[-1]]
+    return row
 
 
 def chunked_prefill(model: nn.Module, caches: list[Any], prompt: Any,
@@ -651,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # Fields of a record that describe its run rather than the model and method of measurement: a merged record keeps
 # each part's under `parts`.
-_RUN_FIELDS = ("device", "gpu", "loadavg_start", "loadavg_end", "read_bytes_per_second", "note")
+_RUN_FIELDS = ("device", "gpu", "loadavg_start", "loadavg_end", "read_bytes_per_second", "note", "partial")
 
 
 def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -700,6 +721,9 @@ def run(args: argparse.Namespace) -> int:
         merged = merge_records([json.loads(Path(path).read_text()) for path in args.merge])
         Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")
         print(f"{args.out}: {len(merged['rows'])} rows, contexts {', '.join(map(str, merged['contexts']))}")
+        cut = [path for path, part in zip(args.merge, merged["parts"], strict=True) if part.get("partial")]
+        if cut:
+            print(f"cut short by its time limit (fewer rounds than --rounds): {', '.join(cut)}")
         return 0
     from engine.runtime import prepare_runtime
 
@@ -752,7 +776,9 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds > 1:
         record["rounds"] = args.rounds
         for context in contexts:
-            rows += interleaved_rows(model, specs, context, args, shape, bandwidth, weights)
+            # a round's rows are written beside the contexts' before it, the record marked "partial" until it ends
+            write_round = functools.partial(_write_partial, out, record, list(rows))
+            rows += interleaved_rows(model, specs, context, args, shape, bandwidth, weights, on_round=write_round)
             out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
         specs = []  # every row is made
     for spec in specs:

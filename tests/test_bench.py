@@ -1309,6 +1309,8 @@ def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> N
         decode.merge_records([runs[0], runs[0]])
     with pytest.raises(ValueError, match="steps"):
         decode.merge_records([runs[0], {**runs[1], "steps": 3}])
+    # a run its time limit cut short says so in its part
+    assert decode.merge_records([runs[0], {**runs[1], "partial": True}])["parts"][1]["partial"] is True
 
 def test_decode_calibrates_vq_codebooks_on_its_own_model() -> None:
     """A `vq` spec without codebooks gets codebooks calibrated on the benchmark's model (once per bit width), so
@@ -1349,6 +1351,28 @@ def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest
     _, kivi = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1)
     assert kivi["ms"] == pytest.approx(15.0) and kivi["tok_s"] == pytest.approx(1000 / 15.0)
     assert kivi["vs_fp16"] == pytest.approx(0.75) and kivi["vs_fp16_range"] == pytest.approx([0.5, 1.0])
+
+
+def test_velox_bench_decode_rounds_hand_over_each_finished_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_round gets the rows of the rounds done so far after every round but the last (decode.py writes them, so a
+    call that its time limit cuts short keeps them); the rows returned are the whole run's."""
+    import argparse
+
+    from benchmarks import decode
+
+    step_seconds = {"fp16": iter([0.010, 0.012, 0.011]), "kivi:k4v4:g64": iter([0.020, 0.024, 0.022])}
+    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
+    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
+    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
+    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    handed: list[list[dict]] = []
+    args = argparse.Namespace(rounds=3, steps=1, warmup=0, generate=False)
+    rows = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1,
+                                   on_round=handed.append)
+    assert [[len(row["rounds_ms"]) for row in partial] for partial in handed] == [[1, 1], [2, 2]]
+    assert handed[0][1]["ms"] == pytest.approx(20.0) and handed[0][1]["vs_fp16"] == pytest.approx(0.5)
+    assert handed[1][1]["ms"] == pytest.approx(22.0) and "vs_fp16_range" in handed[1][1]
+    assert [len(row["rounds_ms"]) for row in rows] == [3, 3] and rows[1]["ms"] == pytest.approx(22.0)
 
 
 def test_decode_spec_constants_hold_for_their_spec_only() -> None:
