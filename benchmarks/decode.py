@@ -3,7 +3,8 @@
     velox bench decode --out decode.json [--contexts 8193,32769,131073] [--specs fp16,kivi:4:64,...]
                        [--steps 10] [--warmup 3] [--rounds 1] [--no-generate] [--prefill 32768] [--shape 8b|tiny]
     python benchmarks/decode.py ...   (the same, from a checkout without installing)
-    python benchmarks/decode.py --out decode.json --merge 8k.json 32k.json 131k.json   (one record of several runs)
+    python benchmarks/decode.py --out decode.json --merge 8k.json 32k.json 131k.json   (one record of several runs:
+                                                                                       see `merge_records`)
 
 A Llama-3.1-8B-shaped model (32 layers, 32 query / 8 kv heads, head_dim 128, hidden 4096, MLP 14336,
 vocabulary 128256) built with mlx-lm's own llama class, its weights random and quantized to 4 bits in groups
@@ -660,8 +661,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=tuple(SHAPES), default="8b",
                         help="the model: 8b (Llama-3.1-8B-shaped, the default) or tiny (2 layers, for a quick check)")
     parser.add_argument("--merge", nargs="+", metavar="FILE", default=None,
-                        help="measure nothing: write --out as one record of these runs' records (a table timed one "
-                             "context per call, where a call's time is limited)")
+                        help="measure nothing: write --out as one record of these runs' records (a table timed a "
+                             "context, or a group of caches beside fp16, per call, where a call's time is limited)")
 
 
 def main(argv: list[str] | None = None) -> int:

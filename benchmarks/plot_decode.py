@@ -3,11 +3,11 @@
     python benchmarks/plot_decode.py [--rows benchmarks/results/decode-h200.json] [--out docs/figures/decode-h200.svg]
 
 Top panel: tok/s of one whole-model decode step (or, with `--series loop`, of mlx-lm's own decode loop, the
-`gen_tok_s` of a run made without --no-generate: what the app and `velox serve` run), bars grouped by context, one colour per cache (fp16, the
-reference, in black with a dashed line across its group so every other bar reads against it). Bottom panel,
-when the rows carry `bound_tok_s`: each bar's share of its memory bound (the speed of a step that reads the
-weights and the cache once at the measured bandwidth), the bound drawn as the 100 % line. A cache that failed
-is an × in its slot and says so in the legend. Every number comes from the rows file.
+`gen_tok_s` of a run made without --no-generate: what the app and `velox serve` run), bars grouped by context,
+one colour per cache (fp16, the reference, in black with a dashed line across its group so every other bar reads
+against it). Bottom panel, when the rows carry `bound_tok_s`: each bar's share of its memory bound (the speed of a
+step that reads the weights and the cache once at the measured bandwidth), the bound drawn as the 100 % line. A
+cache that failed is an × in its slot and says so in the legend. Every number comes from the rows file.
 """
 
 from __future__ import annotations
