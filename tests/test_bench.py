@@ -1528,6 +1528,47 @@ def test_plot_decode_draws_the_loop_series_where_the_run_timed_it(tmp_path: Path
         plot_decode.render_svg(_decode_record(rows), "decode.json", series="loop")
 
 
+def test_committed_decode_table_is_what_decode_table_writes(tmp_path: Path) -> None:
+    """BENCHMARKS.md's whole-model decode table is decode_table.py's output for the committed run, so its figures are
+    the JSON's; rewriting it changes nothing."""
+    from benchmarks import decode_table
+
+    text = decode_table.BENCHMARKS_MD.read_text(encoding="utf-8")
+    copy = tmp_path / "BENCHMARKS.md"
+    copy.write_text(text, encoding="utf-8")
+    record = json.loads(decode_table.DEFAULT_ROWS.read_text())
+    decode_table.write_section(record, "benchmarks/results/decode-h200.json", copy)
+    assert copy.read_text(encoding="utf-8") == text, (
+        "BENCHMARKS.md's decode table is stale: run `python benchmarks/decode_table.py`")
+    assert text.count(decode_table.SECTION_START) == 1
+
+
+def test_decode_table_shows_the_loop_failures_and_the_levels(tmp_path: Path) -> None:
+    from benchmarks import decode_table
+
+    level = "kivi:k3v3:g64:s4:key_block=128:rope=pre:rope_dims=128:rope_base=500000.0:rope_scale=1.0:rope_traditional=false"
+    rows = [
+        {"spec": "fp16", "context": 8193, "tok_s": 100.0, "vs_fp16": 1.0, "gen_tok_s": 140.0, "gen_vs_fp16": 1.0},
+        {"spec": level, "context": 8193, "tok_s": 80.0, "vs_fp16": 0.8, "vs_fp16_range": [0.75, 0.85],
+         "gen_tok_s": 126.0, "gen_vs_fp16": 0.9, "gen_vs_fp16_range": [0.9, 0.9]},
+        {"spec": "mlx-q:4:64", "context": 8193,
+         "error": "RuntimeError: [quantized_matmul] No implementation for problem shape: 4x8193x128x8"},
+        {"spec": "fp16", "context": 131073, "tok_s": 70.0, "vs_fp16": 1.0, "gen_tok_s": 90.0, "gen_vs_fp16": 1.0},
+    ]
+    lines = decode_table.table_lines({"rows": rows})
+    assert lines[0] == "| cache | 8,193: step | loop | 131,073: step | loop |"
+    assert lines[2] == "| `fp16` | 100.0 (1.00) | 140.0 (1.00) | 70.0 (1.00) | 90.0 (1.00) |"
+    assert lines[3] == ("| 3-bit level (`kivi:k3v3:g64:s4:key_block=128:rope=pre`) | 80.0 (0.80; 0.75–0.85) "
+                        "| 126.0 (0.90) |  |  |")
+    assert lines[4] == ("| `mlx-q:4:64` (mlx-lm QuantizedKVCache) "
+                        "| fails (`[quantized_matmul] No implementation for problem shape`) |  |  |  |")
+    unmarked = tmp_path / "notes.md"
+    unmarked.write_text("# Notes\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no decode table markers"):
+        decode_table.write_section({"rows": rows}, "x.json", unmarked)
+    assert unmarked.read_text(encoding="utf-8") == "# Notes\n"
+
+
 def test_decode_figure_legend_wraps_long_specs_and_leaves_out_the_models_rope() -> None:
     from benchmarks import plot_decode
 
