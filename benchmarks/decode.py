@@ -201,41 +201,40 @@ _CALIBRATED: dict[str, Any] = {}
 _CODEBOOKS: dict[str, str] = {}  # vq codebook folders made by `_with_codebooks`, by bits, rotation, seed and shape
 
 
-def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
-    """`config` with key_widths=calibrated measured on the benchmark's model (1,024 seeded random tokens), once; a
-    tool that times caches without a model of its own (decode_profile.py, gpu kernels alone) gets one of `shape`
-    built here."""
+def _calibration_input(shape: dict[str, Any]) -> tuple[nn.Module, list[int]]:
+    """The model calibrations are measured on and its 1,024 seeded random tokens; a tool that times caches without
+    a model of its own (decode_profile.py, gpu kernels alone) gets one of `shape` built here."""
     import numpy as np
 
+    if not _CALIBRATION_MODEL:
+        _CALIBRATION_MODEL[:] = [build_model(shape)]
+    return _CALIBRATION_MODEL[0], np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
+
+
+def _calibrated(config: Any, shape: dict[str, Any]) -> Any:
+    """`config` with key_widths=calibrated measured on the benchmark's model (`_calibration_input`), once."""
     from engine.kvcache import KVCacheBuilder
 
     text = config.to_json()
     if text not in _CALIBRATED:
-        if not _CALIBRATION_MODEL:
-            _CALIBRATION_MODEL[:] = [build_model(shape)]
-        tokens = np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
-        _CALIBRATED[text] = KVCacheBuilder(config).for_model(_CALIBRATION_MODEL[0], calibration_tokens=tokens).config
+        model, tokens = _calibration_input(shape)
+        _CALIBRATED[text] = KVCacheBuilder(config).for_model(model, calibration_tokens=tokens).config
     return _CALIBRATED[text]
 
 
 def _with_codebooks(config: Any, shape: dict[str, Any]) -> Any:
-    """`config` (method vq, no `codebooks` option) with codebooks calibrated on the benchmark's model (1,024 seeded
-    random tokens, as `_calibrated`), saved once per bit width in a folder of this process: product VQ needs a
+    """`config` (method vq, no `codebooks` option) with codebooks calibrated on the benchmark's model
+    (`_calibration_input`), saved once per bit width in a folder of this process: product VQ needs a
     calibration of its model, and this model's weights are random, so its codebooks are made here, not shipped
     (their fit does not change the speed a step has: every code costs the same lookup)."""
     import tempfile
-
-    import numpy as np
 
     from engine.kvcache.calibration import calibrate_vq
     from engine.kvcache.quant.vq import model_identity, save_codebooks
 
     key = f"vq{config.key_bits}:{config.rotation}:{config.seed}:{shape['layers']}:{shape['head_dim']}"
     if key not in _CODEBOOKS:
-        if not _CALIBRATION_MODEL:
-            _CALIBRATION_MODEL[:] = [build_model(shape)]
-        model = _CALIBRATION_MODEL[0]
-        tokens = np.random.default_rng(0).integers(0, shape["vocab"], 1024).tolist()
+        model, tokens = _calibration_input(shape)
         arrays = calibrate_vq(model, tokens, config.key_bits, rotation=config.rotation, seed=config.seed)
         folder = tempfile.mkdtemp(prefix="velox-bench-vq-")
         save_codebooks(folder, config.key_bits, arrays, model_identity(model, name="velox-bench"),
