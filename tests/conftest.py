@@ -28,6 +28,22 @@ if "VELOX_DATA_DIR" not in os.environ:
     os.environ["VELOX_DATA_DIR"] = _test_data
 
 
+def _check_metal_text_of_every_emulated_launch() -> None:
+    """Every launch the kernel emulator makes is also checked as Metal (tests/metal_model.py), unless
+    VELOX_METAL_CHECK=0; test_metal_model.py fails where the test extras' libclang does not load."""
+    if os.environ.get("VELOX_METAL_CHECK") == "0":
+        return
+    from tests import metal_model
+
+    if metal_model.available():
+        from engine.kvcache.kernels import emulate
+
+        emulate.LAUNCH_CHECKS.append(metal_model.check_launch)
+
+
+_check_metal_text_of_every_emulated_launch()
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The converted SmolLM2 folder (fetched and converted on first use, then cached in the data dir)."""

@@ -761,7 +761,7 @@ def test_a_barrier_or_shuffle_not_every_thread_reaches_is_an_error(body: str, me
 def test_a_kernel_that_leaves_an_input_changed_is_an_error() -> None:
     """MLX treats a kernel's inputs as immutable (another array may share the buffer): the emulator fails a kernel
     that writes one and does not set it back; one that restores it passes."""
-    body = "  float* scratch = (float*)x;  // inputs are const: only a cast writes one\n  scratch[TID] += 1.0f;\n  out[TID] = x[TID];\n"
+    body = "  GLOBAL float* scratch = (GLOBAL float*)x;  // inputs are const: only a cast writes one\n  scratch[TID] += 1.0f;\n  out[TID] = x[TID];\n"
     for restores, outcome in ((False, pytest.raises(RuntimeError, match="left its input 'x' changed")),
                               (True, contextlib.nullcontext())):
         source = KernelSource(name=f"emulate_writes_input_{int(restores)}", input_names=("x",), output_names=("out",),

@@ -21,7 +21,9 @@ and KIVI codes, so `kernels="off"` is a reasonable path there too; but that path
 per layer (two quantized matmuls, 16-bit segment matmuls, concatenation, softmax, sums), and it reads the
 codes once per query row block rather than once per kv head. The fused kernel is one pass plus a tiny
 merge, so "auto" picks it on Metal as on CUDA. This was not measured on a Mac (there is none here); if a
-Metal measurement shows quantized_matmul faster for a shape, `kernels="off"` selects it per cache.
+Metal measurement shows quantized_matmul faster for a shape, `kernels="off"` selects it per cache. Nor has a
+Metal compiler seen the kernels: the tests check each emulated launch's Metal text with clang against a model of
+MSL (tests/metal_model.py), which is what stands between a Metal-only spelling error and a Mac.
 """
 
 from __future__ import annotations

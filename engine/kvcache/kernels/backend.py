@@ -52,7 +52,10 @@ passes inputs of fewer than 8 elements in the `constant` address space, which th
 boundaries, the scale) are indexed in the body itself, where either address space works.
 
 A third backend, "emulate" (`emulate.py`), runs the same bodies as host C++ on the CPU, for parity tests on
-machines without a GPU; `build`/`kernel` accept it, `available_backend()` never picks it.
+machines without a GPU; `build`/`kernel` accept it, `available_backend()` never picks it. In the tests every
+emulated launch's Metal text is also checked by clang's front end against a model of MSL's typing and of MLX's
+Metal signature (tests/metal_model.py): a name MSL reserves (`half`), a small input (MLX's `constant`) handed to a
+helper taking device memory, or a value MSL does not shuffle fails there, before any Mac sees it.
 """
 
 from __future__ import annotations

@@ -715,7 +715,7 @@ _TILED_BODY = """
     for (int i = 0; i < 8; ++i) o_acc[r][i] = 0.0f;
   }
   const int t1 = TID % CT;       // phase 1: this thread's token in the tile
-  const int half = TID / CT;     // ... and its share of the channels
+  const int share = TID / CT;    // ... and its share of the channels (not `half`: a type name in MSL)
 
   // A tile's staged data in registers, NT threads taking every NT-th element (loads independent of each other).
   // KCLS: the classes' rows hold D x CT x KMEAN / 32 words a tile (their widths average the layer's key bits, KMEAN,
@@ -1055,13 +1055,13 @@ _TILED_BODY = """
       const int dd = base + t1;
       if (dd < d_count) {
         const GLOBAL TD* kp = (dd < NS) ? sink_k + ((long)bh * NS + dd) * D : win_k + ((long)bh * n_win + (dd - NS)) * D;
-        for (int d = half * DH; d < half * DH + DH; ++d) {
+        for (int d = share * DH; d < share * DH + DH; ++d) {
           const float x = (float)kp[KCLS ? sh_ord[KCLS ? d : 0] : d];
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r] += sh_q[d * R + r] * x;
         }
       }
-      for (int r = 0; r < R; ++r) sh_s[S_AT(half, r, t1)] = acc[r];
+      for (int r = 0; r < R; ++r) sh_s[S_AT(share, r, t1)] = acc[r];
     }
     BARRIER();
     // Phase 2: warp r takes row r (and r + NW, ...): the keys' bias term, the tile's max and weights.

@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -375,6 +375,12 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+# Called with (source, inputs, output_dtypes, template) before every emulated launch; one raises to refuse it. The
+# tests add the check that the launch's Metal text compiles (tests/metal_model.py), so every launch the emulator
+# makes is also a Metal one a Mac could build.
+LAUNCH_CHECKS: list[Callable[[KernelSource, Sequence[mx.array], Sequence[mx.Dtype], Sequence[tuple[str, Any]]],
+                             None]] = []
+
 _LIBRARIES: dict[str, ctypes.CDLL] = {}
 # A launch keeps its state in the library's globals and ctypes releases the GIL: one launch at a time.
 _LAUNCH = threading.Lock()
@@ -457,6 +463,8 @@ class EmulatedKernel:
         if any(g % t for g, t in zip(grid, threadgroup, strict=True)):
             # Metal would launch a partial last threadgroup, CUDA a whole one: the kernels never rely on either
             raise ValueError(f"The grid {grid} is not a whole number of threadgroups {threadgroup}.")
+        for check in LAUNCH_CHECKS:
+            check(source, inputs, output_dtypes, template)
         arrays = [np.ascontiguousarray(np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16)
                                                 else a)) for a in inputs]
         outputs = [_empty(shape, dtype, init_value) for shape, dtype in zip(output_shapes, output_dtypes,

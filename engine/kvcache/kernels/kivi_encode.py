@@ -146,7 +146,7 @@ template <typename T, int K16>
 INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fill, THREAD float& lo, THREAD float& hi,
                         int bits, THREAD bool& clipped, THREAD float& bottom, THREAD float& top) {
   const float mid = (lo + hi) / 2.0f;
-  const float half = (hi - lo) / 2.0f;
+  const float half_range = (hi - lo) / 2.0f;  // not `half`: a type name in MSL
   const int candidates = NCLIP + (bits == 1 ? 1 : 0);
   float best = 0.0f;
   clipped = false;
@@ -165,8 +165,8 @@ INLINE void clip_search(const GLOBAL T* x, long stride, int n, int at, float fil
         b = n_upper < n ? lower / (float)(n - n_upper) : b;
       }
     } else if (k > 0) {
-      b = mid - CLIP_RATIO(k) * half;
-      t = mid + CLIP_RATIO(k) * half;
+      b = mid - CLIP_RATIO(k) * half_range;
+      t = mid + CLIP_RATIO(k) * half_range;
     }
     const float c_lo = k == 0 ? lo : clamp16<T, K16>(lo, b, t);
     const float c_hi = k == 0 ? hi : clamp16<T, K16>(hi, b, t);
@@ -272,13 +272,13 @@ _BODY = """
       lo = MIN2(lo, v);
       hi = MAX2(hi, v);
     }
-    const float half = (float)((1 << VB) - 1) / 2.0f;
+    const float half_levels = (float)((1 << VB) - 1) / 2.0f;
     bool clipped = false;
     float bottom = lo, ceiling = hi;
     if (VQ == 3) clip_search<TD, TDK>(x, 1, G, -1, 0.0f, lo, hi, VB, clipped, bottom, ceiling);
     float scale, bias, kept_scale, kept_bias;
     if (VQ == 2) {                      // symmetric: x = s (code - h), s = max|x| / h
-      kept_scale = keep16<TD, TDK>(MAX2(ABS1(lo), ABS1(hi)) / half);
+      kept_scale = keep16<TD, TDK>(MAX2(ABS1(lo), ABS1(hi)) / half_levels);
       kept_bias = 0.0f;
       scale = kept_scale > 0.0f ? kept_scale : 1.0f;
       bias = 0.0f;
@@ -291,7 +291,7 @@ _BODY = """
     U32 acc = 0u;
     for (int c = 0; c < G; ++c) {
       const float v = clipped ? clamp16<TD, TDK>((float)x[c], bottom, ceiling) : (float)x[c];
-      const U32 code = VQ == 2 ? (U32)MIN2(MAX2(RINT(v / scale + half), 0.0f), 2.0f * half)
+      const U32 code = VQ == 2 ? (U32)MIN2(MAX2(RINT(v / scale + half_levels), 0.0f), 2.0f * half_levels)
                                : group_code(v, scale, bias, VB);
       PACK_CODE(dst, code, VB, pos, acc);
     }
