@@ -39,7 +39,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kvcache.kernels.backend import KernelSource, compact
+from engine.kvcache.kernels.backend import KernelSource, buffer_arguments, compact
 
 # MLX's get_type_string for the dtypes a kernel takes
 _TYPE_STRINGS: dict[mx.Dtype, str] = {
@@ -225,6 +225,7 @@ def metal_unit(source: KernelSource, inputs: Sequence[tuple[mx.Dtype, int, int]]
                 params.append(f"  const constant int& {name}_ndim")
     params += [f"  device {_TYPE_STRINGS[dtype]}* {name}"
                for name, dtype in zip(source.output_names, output_dtypes, strict=True)]
+    params = [f"{param} [[buffer({index})]]" for index, param in enumerate(params)]  # MLX's numbering
     params += [f"  {kind} {attribute}" for attribute, kind in _ATTRIBUTES if attribute in body]
     constants = []
     for name, value in template:
@@ -295,6 +296,11 @@ def check_unit(unit: str) -> tuple[str, ...]:
         return found
 
 
+def buffers_in(unit: str) -> int:
+    """The buffer arguments of a unit's kernel, as MLX numbers them."""
+    return unit.count("[[buffer(")
+
+
 def _located(message: str, line: int, lines: list[str]) -> str:
     where = "the shim" if line < _FIRST_LINE else "the kernel"
     text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
@@ -322,6 +328,11 @@ def check_launch(source: KernelSource, inputs: Sequence[mx.array], output_dtypes
     """Raise RuntimeError with the Metal model's errors if `source` launched so would not compile as Metal."""
     unit = metal_unit(source, [(a.dtype, a.size, a.ndim) for a in inputs], output_dtypes, template)
     errors = check_unit(unit)
+    # Past Metal's 31 buffer arguments a launch cannot be built; the engine declines such a kernel on Metal by its
+    # own count (backend.over_buffer_limit), which must be the count MLX's signature makes.
+    bound = buffers_in(unit)
+    if bound != buffer_arguments(source):
+        errors += (f"MLX binds {bound} buffers, the engine counts {buffer_arguments(source)}",)
     if errors:
         raise RuntimeError(f"Kernel {source.name} would not compile as Metal (the Metal model of "
                            "tests/metal_model.py):\n  " + "\n  ".join(errors))

@@ -4,11 +4,20 @@ what MSL allows that OpenCL, whose front end it borrows, does not."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
-from engine.kvcache.kernels import emulate
-from engine.kvcache.kernels.backend import KernelSource
+from engine.errors import ConfigError
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape, kernels
+from engine.kvcache.kernels import Codec, emulate
+from engine.kvcache.kernels.backend import (
+    METAL_MAX_BUFFERS,
+    KernelSource,
+    buffer_arguments,
+    over_buffer_limit,
+)
 from tests import metal_model
 
 HELPER = """
@@ -81,3 +90,62 @@ def test_a_refused_launch_fails_in_the_emulator_before_it_runs() -> None:
     with pytest.raises(RuntimeError, match="would not compile as Metal"):
         emulate.emulated_kernel(source)(inputs=[mx.zeros((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                                         output_shapes=[(32,)], output_dtypes=[mx.float32])
+
+
+def test_the_engine_counts_the_buffers_mlx_binds() -> None:
+    from tests.test_kvcache_kernels import ALL_SOURCES
+
+    for source in ALL_SOURCES:
+        unit = metal_model.metal_unit(source, [(mx.float32, 64, 1)] * len(source.input_names),
+                                      [mx.float32] * len(source.output_names), ())
+        assert metal_model.buffers_in(unit) == buffer_arguments(source), source.name
+    over = {s.name for s in ALL_SOURCES if over_buffer_limit(s, "metal") is not None}
+    assert "velox_decode_tiled_kivi_affine" in over  # 47
+    assert not any(over_buffer_limit(s, "cuda") for s in ALL_SOURCES)
+
+
+def _cache_on_metal(spec: str, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """A one-layer cache of `spec` holding 300 tokens (filled on the reference path), asked what it would decode with
+    were the default device a Mac's GPU (nothing is launched)."""
+    config = KVCacheConfig.parse(spec)
+    off = replace(config, options={**config.options, "kernels": "off"})
+    shape = ModelShape(n_layers=1, n_heads=8, n_kv_heads=2, head_dim=128)
+    cache = KVCacheBuilder(off).for_shape(shape).build()[0]
+    keys, values = (mx.random.normal((1, 2, 300, 128), key=mx.random.key(seed)) for seed in (1, 2))
+    cache.update_and_fetch(keys, values)
+    cache.config = replace(cache.config, options={**cache.config.options, "kernels": "auto"})
+    monkeypatch.setattr(kernels, "available_backend", lambda: "metal")
+    return cache
+
+
+@pytest.mark.parametrize(("spec", "declined"), [
+    ("kivi:k4v4:g64:s4:key_block=128", False),  # plain KIVI: the per-subgroup pass (24 buffers), not the tiled one
+    ("affine:k4v4:g64", False),
+    ("kivi:k4v4:g64:s4:key_block=128:key_outliers=1", True),  # only the tiled pass adds outliers
+    ("polarquant:k4v4:g64", True),  # 35 buffers
+])
+def test_on_metal_a_kernel_past_its_buffer_arguments_is_never_launched(spec: str, declined: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _cache_on_metal(spec, monkeypatch)
+    reason = cache._kernel_unsupported(rows=4)
+    if declined:
+        assert reason is not None and "buffer arguments" in reason
+        cache.config = replace(cache.config, options={**cache.config.options, "kernels": "require"})
+        cache._plan_cache = None
+        with pytest.raises(ConfigError, match="buffer arguments"):
+            cache._decode_plan(4)
+    else:
+        assert reason is None
+        plan = cache._decode_plan(4)
+        assert plan is not None and buffer_arguments(plan.source) <= METAL_MAX_BUFFERS, plan.source.name
+
+
+def test_on_metal_key_widths_and_the_levels_history_decode_take_the_reference_path() -> None:
+    from engine.kvcache.kernels import decode, dequantize
+
+    widths = Codec("kivi_keys", 3, widths=(2, 3, 4))
+    assert "buffer arguments" in decode.unverified_on(widths, "metal")
+    assert decode.unverified_on(widths, "cuda") is None
+    plain = Codec("kivi_keys", 4)
+    assert not dequantize.supported(plain, Codec("affine", 4), 128, "metal")  # the tiled history decode: 39
+    assert dequantize.supported(plain, Codec("affine", 4), 128, "cuda")

@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 from engine.kvcache.attention import install_attention_dispatch
 from engine.kvcache.base import VeloxKVCache
 from engine.kvcache.config import KVCacheConfig
+from engine.kvcache.kernel_check import verify_kernels
 from engine.kvcache.registry import get_method, register_with_mlx_lm
 
 
@@ -64,12 +65,25 @@ def model_shape(model: Any) -> ModelShape:
     return ModelShape(n_layers=len(layers), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
 
 
+def model_dtype(model: Any) -> mx.Dtype:
+    """The float dtype of the model's parameters (a quantized model's scales, its norms), which its activations and
+    so its keys and values have; bfloat16 where it has none."""
+    from mlx.utils import tree_flatten
+
+    parameters = getattr(model, "parameters", None)
+    for _, value in tree_flatten(parameters() if callable(parameters) else {}):
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype
+    return mx.bfloat16
+
+
 class KVCacheBuilder:
     """Validated construction of a per-layer prompt cache for one config and one model."""
 
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
         self.shape: ModelShape | None = None
+        self.dtype: mx.Dtype = mx.bfloat16  # the model's activations' (for_model reads it), which the kernels take
 
     def for_model(
         self, model: Any, calibration_tokens: Sequence[int] | None = None, tokenizer: Any = None,
@@ -85,6 +99,7 @@ class KVCacheBuilder:
         fraction)` hears of a calibration that runs (once per model and level; none where a calibration is cached or
         bundled)."""
         self.shape = model_shape(model)
+        self.dtype = model_dtype(model)
         self.config = self.config.validate(self.shape.head_dim)
         method = get_method(self.config.method)
         method.check_model(self.config, model)
@@ -133,6 +148,8 @@ class KVCacheBuilder:
         cache_class = get_method(self.config.method)
         install_attention_dispatch()
         register_with_mlx_lm()
+        # Where a GPU runs the kernels: each layer configuration's kernels tried once against the reference path
+        verify_kernels(self.config, shape, self.dtype)
         return [cache_class(self.config, layer_index=i) for i in range(shape.n_layers)]
 
     def _require_shape(self) -> ModelShape:

@@ -23,7 +23,15 @@ codes once per query row block rather than once per kv head. The fused kernel is
 merge, so "auto" picks it on Metal as on CUDA. This was not measured on a Mac (there is none here); if a
 Metal measurement shows quantized_matmul faster for a shape, `kernels="off"` selects it per cache. Nor has a
 Metal compiler seen the kernels: the tests check each emulated launch's Metal text with clang against a model of
-MSL (tests/metal_model.py), which is what stands between a Metal-only spelling error and a Mac.
+MSL (tests/metal_model.py), which is what stands between a Metal-only spelling error and a Mac. Where the comments
+on the backend lists say a kernel runs on Metal "by construction", that is the claim the model checks.
+
+Metal binds a kernel's arrays to at most 31 buffer arguments (`backend.over_buffer_limit`), which three kernels pass:
+the tiled decode pass (47, `decode.tiled_declines`), KIVI's tiled history decode (39) and the polar decode pass
+(35-37). On Metal a cache that would need one of them takes another kernel where one reads its layout (plain KIVI:
+the per-subgroup pass) and the reference path otherwise: the app's levels (key widths, key outliers, keys before
+RoPE, which only the tiled pass reads) decode through MLX's quantized_matmul there, and `rope=auto` keeps keys as
+given. Packing the tiled pass's inputs into fewer buffers would bring the levels' fused decode to a Mac.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.errors import ConfigError
+from engine.kvcache.kernels import backend as backend_module
 from engine.kvcache.kernels.backend import BACKENDS, KernelSource, assemble, available_backend
 from engine.kvcache.kernels.decode import Codec, DecodePlan, decode_attention, plan_decode
 from engine.kvcache.kernels.dequantize import dequantize_history
@@ -61,6 +70,8 @@ def resolve_backend(mode: str, unsupported_reason: str | None = None) -> str | N
             f"the default device ({mx.default_device()}) has no GPU kernel backend "
             "(MLX's Metal or CUDA build on a GPU device)"
         )
+        if backend_module.disabled_reason() is not None:
+            reason = f"kernels were turned off in this process: {backend_module.disabled_reason()}"
     if reason is not None:
         if mode == "require":
             raise ConfigError(f"kernels='require' but {reason}.")

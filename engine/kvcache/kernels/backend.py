@@ -60,6 +60,7 @@ helper taking device memory, or a value MSL does not shuffle fails there, before
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,12 +196,36 @@ inline void mma_store(threadgroup float* c, int ldc, thread const MmaAcc& acc) {
 """
 
 
+# Why kernels were turned off for this process (engine/kvcache/kernel_check.py: a kernel failed its first run on this
+# GPU); empty while they are on.
+_DISABLED: list[str] = []
+
+
+def disable(reason: str) -> None:
+    """Turn the kernels off for the rest of the process: `available_backend()` answers None from now on."""
+    if not _DISABLED:
+        _DISABLED.append(reason)
+
+
+def disabled_reason() -> str | None:
+    """Why `disable` turned the kernels off, or None."""
+    return _DISABLED[0] if _DISABLED else None
+
+
 def available_backend() -> str | None:
     """"cuda" or "metal" when the default device is a GPU whose MLX build runs custom kernels, else None.
 
     Decided from the default device at call time: a CPU default device (tests, the CPU fast path) means
-    no kernels even on a machine with a GPU, because the kernels would run on the GPU stream.
+    no kernels even on a machine with a GPU, because the kernels would run on the GPU stream. None as well once
+    `disable` turned them off.
     """
+    if _DISABLED:
+        return None
+    return device_backend()
+
+
+def device_backend() -> str | None:
+    """The default device's kernel backend, whether or not `disable` turned the kernels off."""
     if mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
@@ -270,6 +295,31 @@ def compact(text: str) -> str:
     readers, which the compiler never needs. (The bodies hold no string literals, where `//` would matter.)"""
     lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
     return "\n".join(line for line in lines if line) + "\n"
+
+
+# Metal gives a compute function 31 buffer arguments ([[buffer(0)]] to [[buffer(30)]], Apple's feature set tables), and
+# MLX's Metal front end binds one to each input, to each `<input>_shape` (`_strides`, `_ndim`) the body names and to
+# each output (mlx/backend/common/metal_kernel.cpp, write_signature); CUDA has no such table.
+METAL_MAX_BUFFERS = 31
+
+
+@functools.cache
+def buffer_arguments(source: KernelSource) -> int:
+    """The buffer arguments MLX's Metal front end gives `source` (every input here has at least one dimension)."""
+    body = compact(source.for_backend("metal")[1])
+    shapes = sum(f"{name}_{part}" in body for name in source.input_names for part in ("shape", "strides", "ndim"))
+    return len(source.input_names) + shapes + len(source.output_names)
+
+
+def over_buffer_limit(source: KernelSource, backend: str | None) -> str | None:
+    """Why `source` cannot be built on `backend` for its buffer arguments (Metal's 31), or None."""
+    if backend != "metal":
+        return None
+    count = buffer_arguments(source)
+    if count <= METAL_MAX_BUFFERS:
+        return None
+    return (f"the {source.name} kernel takes {count} buffer arguments, past the {METAL_MAX_BUFFERS} Metal gives a "
+            "kernel")
 
 
 def cuda_unit(source: KernelSource, types: Mapping[str, str], template: Sequence[tuple[str, int | str]],

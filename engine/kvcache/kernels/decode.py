@@ -38,7 +38,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kvcache.kernels.backend import RULER, KernelSource, kernel
+from engine.kvcache.kernels.backend import RULER, KernelSource, kernel, over_buffer_limit
 
 # Threads per threadgroup of the attention pass (head_dim if larger: the merge gives each of the first
 # head_dim threads one output channel); a multiple of the subgroup width D/8.
@@ -1488,6 +1488,15 @@ def tiled_source() -> KernelSource:
     )
 
 
+def tiled_declines(backend: str | None) -> str | None:
+    """Why the tiled pass cannot run on `backend` (None: it can). On Metal it takes more buffer arguments than a
+    kernel gets (47 of 31: its inputs for every key-width class, outliers, grids and angles, with their shapes), so
+    there the plain KIVI layouts take the per-subgroup pass (`attend_source`) and the layouts only the tiled pass
+    reads (key widths, keys before RoPE, key outliers: the app's levels) the reference path, until its inputs are
+    packed into fewer buffers (tests/metal_model.py counts every launch's)."""
+    return over_buffer_limit(tiled_source(), backend)
+
+
 def tiled_tile(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None,
                rows: int, max_tile: int | None = None, shared_limit: int | None = None) -> int | None:
     """CT of the tiled pass for this pair and layout with `rows` query rows per kv head, or None where it does
@@ -1576,6 +1585,8 @@ def unverified_on(codec: Codec, backend: str | None) -> str | None:
     """Why `codec` may not run on `backend` yet (a kind whose parity run there has not passed: SKETCH_BACKENDS,
     VQ_BACKENDS, POLAR_BACKENDS, WIDTH_BACKENDS, read at call time so a run can set them), or None (also for an
     unknown backend)."""
+    if (codec.widths or codec.outliers) and tiled_declines(backend) is not None:
+        return tiled_declines(backend)  # only the tiled pass reads them
     if codec.widths and backend is not None and backend not in WIDTH_BACKENDS:
         return "the decode kernel's key widths (key_widths) have not passed the parity tests on this backend yet"
     if codec.widths and min(codec.widths) == 1 and backend is not None and backend not in ONE_BIT_BACKENDS:
@@ -1802,7 +1813,8 @@ def plan_decode(
     compressed slots the plan will read (the cache's capacity), which pick the backend's long tile where it has
     one (TILED_LONG_TILES)."""
     threads = threads_for(head_dim)
-    tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows)
+    tiled = (tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows)
+             if tiled_declines(backend) is None else None)
     long_tile, long_limit, long_from = TILED_LONG_TILES.get(backend, (0, 0, 0))
     if tiled is not None and long_tile > tiled and tokens >= long_from:
         tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows, long_tile, long_limit) or tiled

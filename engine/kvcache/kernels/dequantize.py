@@ -26,7 +26,7 @@ import functools
 import mlx.core as mx
 
 from engine.kvcache.kernels import decode as _decode
-from engine.kvcache.kernels.backend import RULER, KernelSource, kernel
+from engine.kvcache.kernels.backend import RULER, KernelSource, kernel, over_buffer_limit
 from engine.kvcache.kernels.decode import _HEADER, Codec
 
 THREADS = 128
@@ -381,6 +381,8 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
     keys stored before RoPE, which it turns (at different widths only on a backend in decode.WIDTH_ROPE_BACKENDS)."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
+    if over_buffer_limit(dequantize_source(key, value), backend) is not None:
+        return False  # Metal's 31 buffer arguments (KIVI's tiled history decode takes 39): the reference path
     if key.kind in _decode.SKETCH_KINDS and backend not in SKETCH_HISTORY_BACKENDS:
         return False
     if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's

@@ -517,6 +517,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         layer before choosing, for `rows` query heads per kv head (the tile depends on them)."""
         if _kernels.available_backend() not in _kernels.decode.ROPE_BACKENDS:
             return "the decode kernel's RoPE (rope=pre) has not passed the parity tests on this backend yet"
+        tiled_declines = _kernels.decode.tiled_declines(_kernels.available_backend())
+        if tiled_declines is not None:
+            return tiled_declines  # only the tiled pass turns keys
         if rope.dims != head_dim:
             return f"the decode kernel turns keys over all channels, not rope_dims {rope.dims} of {head_dim}"
         widths = width_choices(config.key_bits) if KEY_WIDTHS_OPTION in config.options else ()
@@ -565,6 +568,9 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return None
         if _kernels.available_backend() not in _kernels.decode.OUTLIER_BACKENDS:
             return "the decode kernel's key outliers (key_outliers) have not passed the parity tests on this backend yet"
+        tiled_declines = _kernels.decode.tiled_declines(_kernels.available_backend())
+        if tiled_declines is not None:
+            return tiled_declines  # only the tiled pass adds them
         key = Codec("kivi_keys", config.key_bits, outliers=True)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:

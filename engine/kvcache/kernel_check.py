@@ -1,0 +1,133 @@
+"""A cache's kernels tried once on this machine's GPU before a conversation relies on them.
+
+On a Mac the kernels run as Metal, which no compiler here has seen (the tests check their text against a model of
+MSL: tests/metal_model.py); on NVIDIA they run through MLX's CUDA build. A kernel that does not build on the user's
+GPU, or that computes something other than the reference path, must not cost an answer halfway through it. So before
+a model's caches are handed out (`KVCacheBuilder.build`), each distinct layer configuration runs once on a small
+random cache of the model's shape through its kernels: a 300-token chunk (a key block encoded, a window left over), a
+decode step, a 16-token chunk over the compressed history; and the same inputs through the reference path. If a step
+raises, or an output differs from the reference's by more than quantization can explain, kernels are turned off for
+the rest of the process under "auto" (`kernels.backend.disable`: every cache then takes the reference path, and the
+log says why) and the build fails with the reason under "require".
+
+Once per configuration, shape and dtype in a process; a few hundred ms, most of it the compiles that the first
+decode step would pay anyway. Nothing runs where no GPU kernel backend is (the CPU, CI).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import ConfigError
+from engine.kvcache import kernels as _kernels
+from engine.kvcache.config import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = 300  # past a 128-token key block and a 256-token group, with a window left over
+PROBE_CHUNK = 16  # a prefill chunk over the compressed history
+# Relative to the outputs' size: the attention kernels against the reference path on the same arrays (their GPU parity
+# tests hold 2e-3 in bfloat16 on outputs of about this size); the encode kernels' store against the reference's, which
+# may differ by a code step where the two round a tie differently. A broken kernel is off by the outputs' own size.
+ATTENTION_TOLERANCE = 0.02
+ENCODE_TOLERANCE = 0.25
+
+_VERIFIED: set[tuple[Any, ...]] = set()
+
+
+def verify_kernels(config: KVCacheConfig, shape: Any, dtype: mx.Dtype = mx.bfloat16) -> None:
+    """Run the kernels of every distinct layer configuration of `config` once at `shape` (a ModelShape) in `dtype`,
+    as the module docstring says; on a failure turn kernels off ("auto") or raise ConfigError ("require")."""
+    mode = config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
+    backend = _kernels.available_backend()
+    if mode == "off" or backend is None:
+        return
+    # Imported here: the registry imports the methods, which import this package's base.
+    from engine.kvcache.registry import get_method
+
+    cache_class = get_method(config.method)
+    seen: set[str] = set()
+    for index in range(shape.n_layers):
+        layer = str(config.for_layer(index))
+        key = (layer, shape.n_heads, shape.n_kv_heads, shape.head_dim, str(dtype), backend)
+        if layer in seen or key in _VERIFIED:
+            continue
+        seen.add(layer)
+        failure = _first_run(cache_class, config, index, shape, dtype)
+        if failure is not None:
+            reason = f"the {backend} kernels of {layer} failed their first run on this GPU: {failure}"
+            if mode == "require":
+                raise ConfigError(f"kernels='require' but {reason}.")
+            log.warning("Turning the GPU kernels off for this session (every cache takes the reference path): %s",
+                        reason)
+            _kernels.backend.disable(reason)
+            return
+        _VERIFIED.add(key)
+
+
+def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, dtype: mx.Dtype) -> str | None:
+    """Why layer `index`'s kernels failed (None: they ran and agreed with the reference path)."""
+    off = replace(config, options={**config.options, "kernels": "off"})
+    on = replace(config, options={**config.options, "kernels": "require"})  # a kernel that cannot run must say so
+    stream = mx.random.key(index)
+    parts = mx.random.split(stream, 6)
+    d = shape.head_dim
+
+    def normal(part: int, tokens: int, heads: int) -> mx.array:
+        return mx.random.normal((1, heads, tokens, d), key=parts[part]).astype(dtype)
+
+    keys, values = normal(0, PROBE_TOKENS, shape.n_kv_heads), normal(1, PROBE_TOKENS, shape.n_kv_heads)
+    steps = [
+        (normal(2, 1, shape.n_kv_heads), normal(3, 1, shape.n_kv_heads), normal(4, 1, shape.n_heads)),
+        (normal(2, PROBE_CHUNK, shape.n_kv_heads), normal(3, PROBE_CHUNK, shape.n_kv_heads),
+         normal(5, PROBE_CHUNK, shape.n_heads)),
+    ]
+    scale = d**-0.5
+    try:
+        cache, independent = cache_class(on, layer_index=index), cache_class(off, layer_index=index)
+    except (ConfigError, ValueError) as error:  # a configuration that needs its model: not the kernels' doing
+        log.info("Kernel check skipped for %s: %s", config.for_layer(index), error)
+        return None
+    # The kernels' cache against the reference path reading the same arrays (a shallow copy with kernels off): the
+    # attention kernels, to their parity; and against a cache filled through the reference path: the encode kernels,
+    # to what quantization leaves (their rounding may differ from MLX's by a step on ties).
+    try:
+        found: list[tuple[str, mx.array, mx.array, mx.array]] = []
+        cache.update_and_fetch(keys, values)
+        independent.update_and_fetch(keys, values)
+        for name, (new_keys, new_values, queries) in zip(("a decode step", "a chunk over the history"), steps,
+                                                         strict=True):
+            cache.update_and_fetch(new_keys, new_values)
+            independent.update_and_fetch(new_keys, new_values)
+            mask = "causal" if queries.shape[2] > 1 else None
+            same_arrays = copy.copy(cache)
+            same_arrays.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
+            # the reference path in float32 (in 16 bits its own rounding is ~3 % of the outputs; the kernels
+            # compute in float32 and round only their output)
+            outputs = [c.attention(q, None, None, scale=scale, mask=mask).astype(mx.float32)
+                       for c, q in ((cache, queries), (same_arrays, queries.astype(mx.float32)),
+                                    (independent, queries.astype(mx.float32)))]
+            mx.eval(outputs)
+            found.append((name, *outputs))
+    except Exception as error:  # noqa: BLE001 - a GPU compiler's refusal or a launch error: whatever it raises
+        return f"{type(error).__name__}: {error}"
+    for name, got, same, independent_out in found:
+        size = max(float(mx.max(mx.abs(same))), 1e-3)
+        error = float(mx.max(mx.abs(got - same)))
+        if not error <= ATTENTION_TOLERANCE * size:  # also NaN
+            return f"{name} differs from the reference path by {error:.3g} (outputs up to {size:.3g})"
+        error = float(mx.max(mx.abs(same - independent_out)))
+        if not error <= ENCODE_TOLERANCE * size:
+            return (f"{name} over the kernels' encode differs from one over the reference's by {error:.3g} (outputs up "
+                    f"to {size:.3g})")
+    return None
+
+
+def forget() -> None:
+    """Forget which configurations were verified (tests)."""
+    _VERIFIED.clear()

@@ -1,0 +1,88 @@
+"""The first run of a cache's kernels on the machine's GPU (engine/kvcache/kernel_check.py), here on the CPU emulator
+standing in for the GPU: kernels that agree with the reference path stay on; one that raises or computes something
+else turns every kernel off under "auto" (the caches then take the reference path) and fails the build under
+"require"."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+from engine.errors import ConfigError
+from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape, kernel_check, kernels
+from engine.kvcache.kernels import backend, emulate
+from engine.kvcache.kernels.emulate import EMULATE
+
+SPEC = "kivi:k4v4:g64:s4:key_block=128"
+SHAPE = ModelShape(n_layers=2, n_heads=8, n_kv_heads=2, head_dim=128)
+
+
+@pytest.fixture(autouse=True)
+def emulated_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The emulator as the default device's kernel backend (so `disable` still turns it off), nothing verified or
+    disabled yet; returns the names of the kernels launched."""
+    monkeypatch.setattr(backend, "device_backend", lambda: EMULATE)
+    monkeypatch.setattr(backend, "_DISABLED", [])
+    kernel_check.forget()
+    launched: list[str] = []
+    monkeypatch.setattr(emulate, "LAUNCH_CHECKS", [*emulate.LAUNCH_CHECKS, lambda source, *_: launched.append(source.name)])
+    yield launched
+    kernel_check.forget()
+
+
+def _config(mode: str = "auto") -> KVCacheConfig:
+    config = KVCacheConfig.parse(SPEC)
+    return replace(config, options={**config.options, "kernels": mode})
+
+
+def test_kernels_that_agree_with_the_reference_stay_on(emulated_gpu: list[str]) -> None:
+    caches = KVCacheBuilder(_config()).for_shape(SHAPE).build()
+    assert backend.disabled_reason() is None
+    # the check ran the layout's encode, decode pass and merge
+    assert {"velox_kivi_encode_1", "velox_decode_tiled_kivi_affine", "velox_decode_merge"} <= set(emulated_gpu)
+    # once per configuration in a process
+    emulated_gpu.clear()
+    KVCacheBuilder(_config()).for_shape(SHAPE).build()
+    assert emulated_gpu == []
+    assert len(caches) == 2 and kernels.available_backend() == EMULATE
+
+
+def test_a_kernel_computing_something_else_turns_every_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    right = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *args, **kwargs: right(*args, **kwargs) + 0.5)
+    caches = KVCacheBuilder(_config()).for_shape(SHAPE).build()
+    assert "a decode step differs from the reference path" in backend.disabled_reason()
+    assert kernels.available_backend() is None
+    # the caches built take the reference path, and "require" now says why it cannot have a kernel
+    keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(0))
+    caches[0].update_and_fetch(keys, keys)
+    assert caches[0]._decode_plan(4) is None
+    with pytest.raises(ConfigError, match="turned off in this process: .*differs from the reference"):
+        kernels.resolve_backend("require")
+
+
+def test_a_kernel_that_does_not_build_turns_every_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(source, backend_name):  # noqa: ANN001, ANN202 - as MLX raises when Metal rejects a library
+        raise RuntimeError(f"[metal::Device] Unable to build metal library from source ({source.name})")
+
+    monkeypatch.setattr(backend, "_BUILT", {})
+    monkeypatch.setattr(backend, "build", refuse)
+    KVCacheBuilder(_config()).for_shape(SHAPE).build()
+    assert "Unable to build metal library" in backend.disabled_reason()
+
+
+def test_under_require_a_failing_kernel_fails_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    right = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *args, **kwargs: right(*args, **kwargs) * float("nan"))
+    with pytest.raises(ConfigError, match="kernels='require' but the emulate kernels of .* differs"):
+        KVCacheBuilder(_config("require")).for_shape(SHAPE).build()
+    assert backend.disabled_reason() is None  # "require" reports; it does not turn anything off
+
+
+def test_nothing_runs_with_kernels_off_or_without_a_gpu(emulated_gpu: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    KVCacheBuilder(_config("off")).for_shape(SHAPE).build()
+    monkeypatch.setattr(backend, "device_backend", lambda: None)
+    KVCacheBuilder(_config()).for_shape(SHAPE).build()
+    assert emulated_gpu == [] and backend.disabled_reason() is None
