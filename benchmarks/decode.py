@@ -828,6 +828,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
     record["loadavg_end"] = _loadavg()
+    _note_kernels_disabled(record)
     out.write_text(json.dumps({**record, "rows": rows}, indent=1) + "\n")
     if args.prefill:
         prefill_rows = []
@@ -845,8 +846,21 @@ def run(args: argparse.Namespace) -> int:
             gc.collect()
             mx.clear_cache()
             prefill_rows.append(row)
+            _note_kernels_disabled(record)
             out.write_text(json.dumps({**record, "rows": rows, "prefill": prefill_rows}, indent=1) + "\n")
     return 0
+
+
+def _note_kernels_disabled(record: dict[str, Any]) -> None:
+    """A kernel that failed its first run on this GPU (engine/kvcache/kernel_check.py) turned every kernel off for
+    the rest of the run, so the rows timed after it are the reference path's: the record says so, and why."""
+    from engine.kvcache.kernels.backend import disabled_reason
+
+    reason = disabled_reason()
+    if reason is not None and record.get("kernels_disabled") != reason:
+        record["kernels_disabled"] = reason
+        print(f"WARNING: kernels were turned off during this run (rows after it took the reference path): {reason}",
+              flush=True)
 
 
 if __name__ == "__main__":

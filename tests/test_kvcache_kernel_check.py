@@ -24,6 +24,7 @@ def emulated_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The emulator as the default device's kernel backend (so `disable` still turns it off), nothing verified or
     disabled yet; returns the names of the kernels launched."""
     monkeypatch.setattr(backend, "device_backend", lambda: EMULATE)
+    monkeypatch.setattr(kernel_check, "CHECKED_BACKENDS", (EMULATE,))
     monkeypatch.setattr(backend, "_DISABLED", [])
     kernel_check.forget()
     launched: list[str] = []
@@ -83,6 +84,9 @@ def test_under_require_a_failing_kernel_fails_the_build(monkeypatch: pytest.Monk
 
 def test_nothing_runs_with_kernels_off_or_without_a_gpu(emulated_gpu: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     KVCacheBuilder(_config("off")).for_shape(SHAPE).build()
+    # a shape the decode kernel declines (head_dim 96) is no failure of the kernels: its caches take the reference path
+    KVCacheBuilder(KVCacheConfig.parse("affine:k4v4:g32")).for_shape(replace(SHAPE, head_dim=96)).build()
+    assert backend.disabled_reason() is None
     monkeypatch.setattr(backend, "device_backend", lambda: None)
     KVCacheBuilder(_config()).for_shape(SHAPE).build()
     assert emulated_gpu == [] and backend.disabled_reason() is None
