@@ -39,7 +39,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kvcache.kernels.backend import KernelSource, buffer_arguments, compact
+from engine.kvcache.kernels.backend import KernelSource, buffer_arguments, compact, over_buffer_limit
 
 # MLX's get_type_string for the dtypes a kernel takes
 _TYPE_STRINGS: dict[mx.Dtype, str] = {
@@ -291,6 +291,9 @@ def check_unit(unit: str) -> tuple[str, ...]:
                 continue
             errors.append(_located(diagnostic.spelling, diagnostic.location.line, lines))
         errors += [_located(message, line, lines) for message, line in _unqualified_pointers(tu.cursor)]
+        shared = _threadgroup_bytes(tu.cursor)
+        if shared > MAX_THREADGROUP_BYTES:
+            errors.append(f"{shared} bytes of threadgroup memory, past the {MAX_THREADGROUP_BYTES} an Apple GPU gives")
         found = _CHECKED[unit] = tuple(errors)
         CHECKED_NAMES.add(unit[unit.index("__kernel void custom_kernel_") + 28:].split("(", 1)[0])
         return found
@@ -305,6 +308,20 @@ def _located(message: str, line: int, lines: list[str]) -> str:
     where = "the shim" if line < _FIRST_LINE else "the kernel"
     text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
     return f"{message} ({where}, line {line}: {text})"
+
+
+# Threadgroup memory an Apple GPU gives a threadgroup (decode.TILED_SHARED_LIMIT plans the tiled pass within it).
+MAX_THREADGROUP_BYTES = 32768
+
+
+def _threadgroup_bytes(root: Any) -> int:
+    """The threadgroup memory the kernel declares: every threadgroup variable's size, blocks that never overlap
+    counted together (an upper bound, as a compiler may not share them)."""
+    import clang.cindex as ci
+
+    return sum(cursor.type.get_size() for cursor in root.walk_preorder()
+               if cursor.kind == ci.CursorKind.VAR_DECL and cursor.location.line >= _FIRST_LINE
+               and cursor.type.spelling.startswith("__local"))
 
 
 def _unqualified_pointers(root: Any) -> list[tuple[str, int]]:
@@ -328,6 +345,8 @@ def check_launch(source: KernelSource, inputs: Sequence[mx.array], output_dtypes
     """Raise RuntimeError with the Metal model's errors if `source` launched so would not compile as Metal."""
     unit = metal_unit(source, [(a.dtype, a.size, a.ndim) for a in inputs], output_dtypes, template)
     errors = check_unit(unit)
+    if over_buffer_limit(source, "metal") is not None:  # never launched on Metal (its other limits do not apply)
+        errors = tuple(error for error in errors if "threadgroup memory" not in error)
     # Past Metal's 31 buffer arguments a launch cannot be built; the engine declines such a kernel on Metal by its
     # own count (backend.over_buffer_limit), which must be the count MLX's signature makes.
     bound = buffers_in(unit)

@@ -90,3 +90,16 @@ def test_nothing_runs_with_kernels_off_or_without_a_gpu(emulated_gpu: list[str],
     monkeypatch.setattr(backend, "device_backend", lambda: None)
     KVCacheBuilder(_config()).for_shape(SHAPE).build()
     assert emulated_gpu == [] and backend.disabled_reason() is None
+
+
+def test_the_check_runs_in_the_dtype_of_the_models_activations() -> None:
+    import mlx.nn as nn
+
+    from engine.kvcache.builder import model_dtype
+
+    for dtype in (mx.float16, mx.bfloat16, mx.float32):
+        layer = nn.Linear(64, 64)
+        layer.set_dtype(dtype)
+        nn.quantize(layer, group_size=32, bits=4)  # its codes are integers; its scales have the activations' dtype
+        assert model_dtype(layer) == dtype
+    assert model_dtype(object()) == mx.bfloat16

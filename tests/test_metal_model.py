@@ -149,3 +149,9 @@ def test_on_metal_key_widths_and_the_levels_history_decode_take_the_reference_pa
     plain = Codec("kivi_keys", 4)
     assert not dequantize.supported(plain, Codec("affine", 4), 128, "metal")  # the tiled history decode: 39
     assert dequantize.supported(plain, Codec("affine", 4), 128, "cuda")
+
+
+def test_threadgroup_memory_past_an_apple_gpus_is_refused() -> None:
+    assert _errors("  SHARED float sh[8192];\n  sh[TID] = 1.0f;\n  out[TID] = sh[0];\n") == ()  # 32 KB exactly
+    errors = _errors("  SHARED float sh[8192];\n  SHARED float more[1];\n  sh[TID] = more[0];\n  out[TID] = sh[0];\n")
+    assert any("32772 bytes of threadgroup memory" in error for error in errors), errors

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from engine.errors import ConfigError
 from engine.kvcache.attention import install_attention_dispatch
@@ -68,8 +69,6 @@ def model_shape(model: Any) -> ModelShape:
 def model_dtype(model: Any) -> mx.Dtype:
     """The float dtype of the model's parameters (a quantized model's scales, its norms), which its activations and
     so its keys and values have; bfloat16 where it has none."""
-    from mlx.utils import tree_flatten
-
     parameters = getattr(model, "parameters", None)
     for _, value in tree_flatten(parameters() if callable(parameters) else {}):
         if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
