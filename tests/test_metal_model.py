@@ -155,3 +155,15 @@ def test_threadgroup_memory_past_an_apple_gpus_is_refused() -> None:
     assert _errors("  SHARED float sh[8192];\n  sh[TID] = 1.0f;\n  out[TID] = sh[0];\n") == ()  # 32 KB exactly
     errors = _errors("  SHARED float sh[8192];\n  SHARED float more[1];\n  sh[TID] = more[0];\n  out[TID] = sh[0];\n")
     assert any("32772 bytes of threadgroup memory" in error for error in errors), errors
+
+
+def test_the_committed_buffer_counts_are_the_kernels_own() -> None:
+    import json
+    from pathlib import Path
+
+    committed = json.loads((Path(__file__).parents[1] / "benchmarks/results/metal-buffers.json").read_text())
+    from tests.test_kvcache_kernels import ALL_SOURCES
+
+    assert committed["limit"] == METAL_MAX_BUFFERS
+    assert {row["kernel"]: row["buffers"] for row in committed["rows"]} == {
+        source.name: buffer_arguments(source) for source in ALL_SOURCES}, "run benchmarks/metal_buffers.py"

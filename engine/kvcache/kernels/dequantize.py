@@ -414,8 +414,9 @@ def dequantize_source(key: Codec, value: Codec, proj: bool = False) -> KernelSou
     if proj and not sketched:
         raise ValueError(f"Only sketched keys read a projection, not {key}.")
     return KernelSource(
-        name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}_{value.kind}{value.bits}_{value.bits2}"
-        + ("_proj" if proj else ""),
+        name=f"velox_dequantize_{key.kind}{key.bits}_{key.bits2}{'_l' + str(key.levels) if key.levels else ''}_"
+             f"{value.kind}{value.bits}_{value.bits2}{'_l' + str(value.levels) if value.levels else ''}"
+        + ("_proj" if proj else ""),  # one name per source text, as the decode pass's
         input_names=("n_comp_r", *(f"k{i}" for i in range(key.slots)), *(f"v{i}" for i in range(value.slots)),
                      *((("proj",) if proj else ("sk",)) if sketched else ())),
         output_names=("keys", "values"),
