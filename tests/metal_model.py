@@ -39,7 +39,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kvcache.kernels.backend import KernelSource, buffer_arguments, compact, over_buffer_limit
+from engine.kvcache.kernels.backend import (
+    KernelSource,
+    buffer_arguments,
+    compact,
+    over_buffer_limit,
+    template_constants,
+)
 
 # MLX's get_type_string for the dtypes a kernel takes
 _TYPE_STRINGS: dict[mx.Dtype, str] = {
@@ -227,14 +233,7 @@ def metal_unit(source: KernelSource, inputs: Sequence[tuple[mx.Dtype, int, int]]
                for name, dtype in zip(source.output_names, output_dtypes, strict=True)]
     params = [f"{param} [[buffer({index})]]" for index, param in enumerate(params)]  # MLX's numbering
     params += [f"  {kind} {attribute}" for attribute, kind in _ATTRIBUTES if attribute in body]
-    constants = []
-    for name, value in template:
-        if isinstance(value, mx.Dtype):
-            constants.append(f"  typedef {_TYPE_STRINGS[value]} {name};")
-        elif isinstance(value, bool):
-            constants.append(f"  constexpr bool {name} = {int(value)};")
-        else:
-            constants.append(f"  constexpr int {name} = {int(value)};")
+    constants = template_constants(template, _TYPE_STRINGS.__getitem__)
     return (
         _SHIM + _includes_removed(header)
         + f"\n__kernel void custom_kernel_{source.name}(\n" + ",\n".join(params) + ") {\n"

@@ -322,6 +322,20 @@ def over_buffer_limit(source: KernelSource, backend: str | None) -> str | None:
             "kernel")
 
 
+def template_constants(template: Sequence[tuple[str, Any]], type_name: Callable[[mx.Dtype], str]) -> list[str]:
+    """A launch's template arguments as the constants a kernel body reads (the front ends make them template
+    parameters; a translation unit written out here declares them): `using` for a dtype, spelled by `type_name`."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"  using {name} = {type_name(value)};")
+        elif isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {str(value).lower()};")
+        else:
+            lines.append(f"  constexpr int {name} = {int(value)};")
+    return lines
+
+
 def cuda_unit(source: KernelSource, types: Mapping[str, str], template: Sequence[tuple[str, int | str]],
               includes: str) -> str:
     """The CUDA translation unit MLX's `cuda_kernel` compiles for `source` (mlx/backend/cuda/custom_kernel.cpp,

@@ -50,7 +50,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kvcache.kernels.backend import KernelSource
+from engine.kvcache.kernels.backend import KernelSource, template_constants
 
 EMULATE = "emulate"
 MAX_DIMS = 8
@@ -346,13 +346,7 @@ def assemble_unit(source: KernelSource, types: dict[str, str], template: Sequenc
         lines.append(f"  {const}{types[name]}* {name} = ({const}{types[name]}*)emu_pointers[{index}];")
         if name + "_shape" in code and name in source.input_names:  # as MLX: shapes of inputs only
             lines.append(f"  const int32_t* {name}_shape = emu_shapes[{index}];")
-    for name, value in template:
-        if isinstance(value, mx.Dtype):
-            lines.append(f"  using {name} = {_TYPES[value][1]};")
-        elif isinstance(value, bool):
-            lines.append(f"  constexpr bool {name} = {str(value).lower()};")
-        else:
-            lines.append(f"  constexpr int {name} = {int(value)};")
+    lines += template_constants(template, lambda dtype: _TYPES[dtype][1])
     return (
         _HEADER
         + f"#define EMU_ARRAYS {len(_arrays(source))}\n#define EMU_MAX_DIMS {MAX_DIMS}\n"
