@@ -167,3 +167,14 @@ def test_the_committed_buffer_counts_are_the_kernels_own() -> None:
     assert committed["limit"] == METAL_MAX_BUFFERS
     assert {row["kernel"]: row["buffers"] for row in committed["rows"]} == {
         source.name: buffer_arguments(source) for source in ALL_SOURCES}, "run benchmarks/metal_buffers.py"
+
+
+def test_no_two_kernel_texts_share_a_name() -> None:
+    # MLX's front ends keyed compiled kernels by name alone until August 2026 (Metal #3833, CUDA #4273): a second
+    # text of the same name would have run the first one's code
+    from tests.test_kvcache_kernels import ALL_SOURCES
+
+    texts: dict[str, set[tuple[str, str]]] = {}
+    for source in ALL_SOURCES:
+        texts.setdefault(source.name, set()).add(source.for_backend("metal"))
+    assert {name: len(found) for name, found in texts.items() if len(found) > 1} == {}

@@ -100,7 +100,7 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
     # attention kernels, to their parity; and against a cache filled through the reference path: the encode kernels,
     # to what quantization leaves (their rounding may differ from MLX's by a step on ties).
     try:
-        found: list[tuple[str, mx.array, mx.array, mx.array]] = []
+        found: list[tuple[str, bool, mx.array, mx.array, mx.array]] = []
         cache.update_and_fetch(keys, values)
         independent.update_and_fetch(keys, values)
         for name, (new_keys, new_values, queries) in zip(("a decode step", "a chunk over the history"), steps,
