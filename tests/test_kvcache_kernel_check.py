@@ -103,3 +103,23 @@ def test_the_check_runs_in_the_dtype_of_the_models_activations() -> None:
         nn.quantize(layer, group_size=32, bits=4)  # its codes are integers; its scales have the activations' dtype
         assert model_dtype(layer) == dtype
     assert model_dtype(object()) == mx.bfloat16
+
+
+@pytest.mark.parametrize("key", ["8", "4", "3", "2"])
+def test_the_app_levels_pass_their_first_run_on_the_real_model(key: str, smollm, emulated_gpu: list[str]) -> None:
+    """No false alarm: every compressed level the app offers, resolved for the embedded model as the app resolves it
+    (its calibrated key widths, wide layers, keys before RoPE where the kernels turn them), passes the check, so a GPU
+    keeps its kernels for them."""
+    from engine.planning.recommend import level_by_key
+
+    model, tokenizer, _ = smollm
+    KVCacheBuilder(level_by_key(key).config).for_model(model, tokenizer=tokenizer).build()
+    assert backend.disabled_reason() is None
+    assert any(name.startswith("velox_decode") for name in emulated_gpu), emulated_gpu
+
+
+@pytest.mark.parametrize("spec", ["affine:k4v4:g64", "rotated:k3v3:g64:s4:w16", "turboquant:k4v4:g64", "rvq:k3v3:g64",
+                                  "qjl:k4v4:g64", "turboquant_prod:k4v4:g64", "polarquant:k4v4:g64"])
+def test_every_method_passes_its_first_run(spec: str) -> None:
+    KVCacheBuilder(KVCacheConfig.parse(spec)).for_shape(SHAPE).build()
+    assert backend.disabled_reason() is None
