@@ -74,7 +74,7 @@ from engine.planning.recommend import (
     recommend,
 )
 from engine.planning.units import format_bytes
-from engine.runtime.status import on_gpu
+from engine.runtime.status import gpu_kernels_off, on_gpu
 
 # How often the worker reports live numbers while it runs a job: often enough for a smooth plot and gauges,
 # rarely enough that signals never flood the GUI's event queue.
@@ -143,6 +143,7 @@ class EngineWorker(QObject):
         self._level_key = "16"
         self._method_override: str | None = None
         self._overflow_policy: str | None = None
+        self._kernels_off_reported = False  # said once a session (_report_gpu_kernels_off)
         self._inspected: dict[int, Any] = {}
         self._next_doc_id = 1
         self._defaults: GenerationOptions | None = None
@@ -177,7 +178,17 @@ class EngineWorker(QObject):
                 raise
             report(_unexpected(failure, error))
         finally:
+            self._report_gpu_kernels_off()
             self.busyChanged.emit(False, "")
+
+    def _report_gpu_kernels_off(self) -> None:
+        """Say once, after the job that found it, that the GPU kernels failed their first run here and were turned
+        off: replies stay what they were, decoding is slower (the log has the details)."""
+        reason = gpu_kernels_off()
+        if reason is not None and not self._kernels_off_reported:
+            self._kernels_off_reported = True
+            self.notice.emit("Velox's GPU kernels could not be used on this machine's GPU and were turned off for this "
+                             f"session: replies are the same, decoding is slower. ({reason})")
 
     # ----- model ----------------------------------------------------------------------------------------
     @Slot(str)

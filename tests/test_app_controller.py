@@ -439,3 +439,23 @@ def test_a_failure_inside_a_job_is_one_line_and_the_worker_is_idle_again(make_co
     monkeypatch.undo()
     reply(qtbot, controller, "What is 2 + 2?")  # the worker thread is alive and answers
     assert controller.entries[-1].text
+
+
+def test_gpu_kernels_turned_off_are_reported_once(qtbot, monkeypatch):
+    """A kernel that failed its first run on the GPU turned the kernels off (engine/kvcache/kernel_check.py): the job
+    that found it ends with one notice saying so, and later jobs say nothing more."""
+    import app.worker as worker_module
+
+    worker = worker_module.EngineWorker()
+    notices: list[str] = []
+    worker.notice.connect(notices.append)
+    reason: list[str | None] = [None]
+    monkeypatch.setattr(worker_module, "gpu_kernels_off", lambda: reason[0])
+    with worker._job("loading"):
+        pass
+    assert notices == []
+    reason[0] = "the metal kernels of kivi:k4v4:g64 failed their first run on this GPU: RuntimeError: ..."
+    for _ in range(2):
+        with worker._job("thinking"):
+            pass
+    assert len(notices) == 1 and "turned off for this session" in notices[0] and "kivi:k4v4:g64" in notices[0]
