@@ -245,7 +245,6 @@ def metal_unit(source: KernelSource, inputs: Sequence[tuple[mx.Dtype, int, int]]
 _NOT_MSL_RULES = ("can only be declared in the outermost scope of a kernel function",)
 
 _CHECKED: dict[str, tuple[str, ...]] = {}
-CHECKED_NAMES: set[str] = set()  # the kernels checked in this process (tests read it)
 _LOCK = threading.Lock()
 
 
@@ -294,7 +293,6 @@ def check_unit(unit: str) -> tuple[str, ...]:
         if shared > MAX_THREADGROUP_BYTES:
             errors.append(f"{shared} bytes of threadgroup memory, past the {MAX_THREADGROUP_BYTES} an Apple GPU gives")
         found = _CHECKED[unit] = tuple(errors)
-        CHECKED_NAMES.add(unit[unit.index("__kernel void custom_kernel_") + 28:].split("(", 1)[0])
         return found
 
 

@@ -1585,8 +1585,8 @@ def unverified_on(codec: Codec, backend: str | None) -> str | None:
     """Why `codec` may not run on `backend` yet (a kind whose parity run there has not passed: SKETCH_BACKENDS,
     VQ_BACKENDS, POLAR_BACKENDS, WIDTH_BACKENDS, read at call time so a run can set them), or None (also for an
     unknown backend)."""
-    if (codec.widths or codec.outliers) and tiled_declines(backend) is not None:
-        return tiled_declines(backend)  # only the tiled pass reads them
+    if (codec.widths or codec.outliers) and (declined := tiled_declines(backend)) is not None:
+        return declined  # only the tiled pass reads them
     if codec.widths and backend is not None and backend not in WIDTH_BACKENDS:
         return "the decode kernel's key widths (key_widths) have not passed the parity tests on this backend yet"
     if codec.widths and min(codec.widths) == 1 and backend is not None and backend not in ONE_BIT_BACKENDS:

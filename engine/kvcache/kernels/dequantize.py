@@ -381,8 +381,12 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
     keys stored before RoPE, which it turns (at different widths only on a backend in decode.WIDTH_ROPE_BACKENDS)."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
-    if over_buffer_limit(dequantize_source(key, value), backend) is not None:
-        return False  # Metal's 31 buffer arguments (KIVI's tiled history decode takes 39): the reference path
+    # Metal's 31 buffer arguments (KIVI's tiled history decode takes 39): the reference path there
+    return _takes(key, value, head_dim, backend, rope) and over_buffer_limit(dequantize_source(key, value), backend) is None
+
+
+def _takes(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool) -> bool:
+    """`supported` but for the backend's limits: whether the kernel has code for this pair here."""
     if key.kind in _decode.SKETCH_KINDS and backend not in SKETCH_HISTORY_BACKENDS:
         return False
     if key.kind == "kivi_keys":  # 8 channel pairs a thread; values as every other kind's

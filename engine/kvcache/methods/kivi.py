@@ -568,9 +568,6 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             return None
         if _kernels.available_backend() not in _kernels.decode.OUTLIER_BACKENDS:
             return "the decode kernel's key outliers (key_outliers) have not passed the parity tests on this backend yet"
-        tiled_declines = _kernels.decode.tiled_declines(_kernels.available_backend())
-        if tiled_declines is not None:
-            return tiled_declines  # only the tiled pass adds them
         key = Codec("kivi_keys", config.key_bits, outliers=True)
         value = Codec("affine", config.value_bits, grid=cls.grid_of(config, "value") is not None)
         if _kernels.decode.tiled_tile(key, value, config.group_size, head_dim, cls.key_block(config), rows) is None:
