@@ -39,12 +39,10 @@ from engine.kvcache.kernels.decode import (  # noqa: E402
     UNROLL,
     Codec,
     attend_source,
+    choose_pass,
     rope_by_step,
     staged_tables,
     threads_for,
-    tile_tokens,
-    tiled_source,
-    tiled_tile,
 )
 
 # A stand-in for "mlx/backend/cuda/device/utils.cuh": only what the wrapper and our bodies use.
@@ -219,13 +217,12 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
                 uniform: bool = False, prefetch: bool = True, staged: bool = False, by_step: bool = False) -> str:
     rope = key_block is not None and key_block < 0  # PAIRS marks the rope=pre variant by a negative key block
     key_block = abs(key_block) if key_block is not None else None
-    tiled = tiled_tile(key, value, group, head_dim, key_block, rows)  # the pass plan_decode picks
-    source = attend_source(key, value) if tiled is None else tiled_source()
+    chosen = choose_pass(key, value, group, head_dim, key_block, rows, "cuda")  # the pass plan_decode picks
+    source, tile = (attend_source(key, value), None) if chosen is None else chosen[:2]
     if staged:
         source = staged_tables(source)
     if by_step:
         source = rope_by_step(source)
-    tile = tiled or tile_tokens(key, group, head_dim, key_block)
     template = [("D", head_dim), ("R", rows), ("NT", threads_for(head_dim)), ("G", group),
                 ("GK", key_block or group), ("CT", tile or 64), ("U", UNROLL), ("KB", key.widest),
                 ("VB", value.bits), ("KGRID", int(key.grid)), ("VGRID", int(value.grid)), ("PF", int(prefetch)), ("TT", TILED_RUN),

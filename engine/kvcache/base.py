@@ -1025,18 +1025,15 @@ class SegmentedKVCache(_attention.AttendsOverOwnStorage, VeloxKVCache):
             return declined
         if not (codecs[0].supported and codecs[2].supported):
             return f"the decode kernel cannot read {self.config.key_bits}/{self.config.value_bits}-bit codes"
-        layout = (self.config.group_size, self._k_head_dim, self._kernel_key_block())
-        tiled = (_kernels.decode.tiled_tile(codecs[0], codecs[2], *layout, rows)
-                 if _kernels.decode.tiled_declines(backend) is None else None)
-        if tiled is None and _kernels.decode.tile_tokens(codecs[0], *layout) is None:
+        chosen = _kernels.decode.choose_pass(codecs[0], codecs[2], self.config.group_size, self._k_head_dim,
+                                             self._kernel_key_block(), rows, backend)
+        if chosen is None:
             return (
                 f"the decode kernel has no tile for group size {self.config.group_size} "
                 f"at head_dim {self._k_head_dim} and {rows} query heads per kv head"
             )
-        # as plan_decode picks it (Metal binds a kernel's arrays to at most 31 buffer arguments)
-        source = (_kernels.decode.tiled_source() if tiled is not None
-                  else _kernels.decode.attend_source(codecs[0], codecs[2]))
-        return _kernels.backend.over_buffer_limit(source, backend)
+        # the pass plan_decode launches (Metal binds a kernel's arrays to at most 31 buffer arguments)
+        return _kernels.backend.over_buffer_limit(chosen[0], backend)
 
     def _decode_kernel_backend(self, rows: int) -> str | None:
         mode = self.config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)

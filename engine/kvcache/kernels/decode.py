@@ -1794,6 +1794,23 @@ def _tables_whole(codec: Codec, arrays: list[mx.array | None]) -> bool:
                for slot, width in TABLE_SLOTS.get(codec.kind, ()))
 
 
+def choose_pass(key: Codec, value: Codec, group_size: int, head_dim: int, key_block: int | None, rows: int,
+                backend: str | None, tokens: int = 0) -> tuple[KernelSource, int, bool] | None:
+    """The attention pass a cache of this layout launches on `backend`: (its source, its tile, whether it is the tiled
+    pass), or None where neither pass has a tile. The tiled pass where it has a tile and the backend builds it (the
+    backend's long tile from `tokens` compressed slots, TILED_LONG_TILES), else the per-subgroup pass. plan_decode
+    launches what this picks, and a cache asks it whether it can launch at all, so the two never disagree."""
+    tiled = (tiled_tile(key, value, group_size, head_dim, key_block, rows)
+             if tiled_declines(backend) is None else None)
+    long_tile, long_limit, long_from = TILED_LONG_TILES.get(backend or "", (0, 0, 0))
+    if tiled is not None and long_tile > tiled and tokens >= long_from:
+        tiled = tiled_tile(key, value, group_size, head_dim, key_block, rows, long_tile, long_limit) or tiled
+    if tiled is not None:
+        return tiled_source(), tiled, True
+    tile = tile_tokens(key, group_size, head_dim, key_block)
+    return None if tile is None else (attend_source(key, value), tile, False)
+
+
 def plan_decode(
     key_codec: Codec,
     key_arrays: list[mx.array | None],
@@ -1811,19 +1828,15 @@ def plan_decode(
     RoPE (KIVI's rope=pre, full rotary), as (each channel pair's angle per position, float32 [D/2];
     traditional pairing), which only the tiled pass turns (the caller checked `tiled_tile`). `tokens`: the
     compressed slots the plan will read (the cache's capacity), which pick the backend's long tile where it has
-    one (TILED_LONG_TILES)."""
+    one (`choose_pass`)."""
     threads = threads_for(head_dim)
-    tiled = (tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows)
-             if tiled_declines(backend) is None else None)
-    long_tile, long_limit, long_from = TILED_LONG_TILES.get(backend, (0, 0, 0))
-    if tiled is not None and long_tile > tiled and tokens >= long_from:
-        tiled = tiled_tile(key_codec, value_codec, group_size, head_dim, key_block, rows, long_tile, long_limit) or tiled
+    chosen = choose_pass(key_codec, value_codec, group_size, head_dim, key_block, rows, backend, tokens)
+    assert chosen is not None
+    source, tile, tiled = chosen
     arrays = (*key_arrays, *value_arrays)
-    if rope is not None and tiled is None:
+    if rope is not None and not tiled:
         raise ValueError("Only the tiled decode pass turns keys stored before RoPE.")
-    if tiled is not None:
-        tile = tiled
-        source = tiled_source()
+    if tiled:
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("KB", key_codec.widest), ("VB", value_codec.bits),
                     ("KGRID", int(key_codec.grid)), ("VGRID", int(value_codec.grid)), ("PF", int(TILED_PREFETCH)),
@@ -1839,15 +1852,12 @@ def plan_decode(
                   value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0],
                   *outliers, *widths)
     else:
-        tile = tile_tokens(key_codec, group_size, head_dim, key_block)
-        assert tile is not None
-        source = attend_source(key_codec, value_codec)
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
-    if (tiled is None and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
+    if (not tiled and backend in STAGED_TABLE_BACKENDS and _tables_whole(key_codec, key_arrays)
             and _tables_whole(value_codec, value_arrays)):
         source = staged_tables(source)
-    if tiled is not None and rope is not None and backend in ROPE_STEP_BACKENDS:
+    if tiled and rope is not None and backend in ROPE_STEP_BACKENDS:
         source = rope_by_step(source)
     constants = tuple(template)
     if PLAN_CONSTANTS_IN_SOURCE:
@@ -1862,7 +1872,7 @@ def plan_decode(
         constants=constants,
         tile=tile,
         threads=threads,
-        target_groups=TILED_TARGET_GROUPS if tiled is not None else TARGET_GROUPS,
+        target_groups=TILED_TARGET_GROUPS if tiled else TARGET_GROUPS,
         sketch=key_codec.kind in SKETCH_KINDS,
     )
 
