@@ -50,6 +50,39 @@ def test_kernels_that_agree_with_the_reference_stay_on(emulated_gpu: list[str]) 
     assert len(caches) == 2 and kernels.available_backend() == EMULATE
 
 
+def test_the_first_run_reports_each_layer_layout_before_running_it(emulated_gpu: list[str]) -> None:
+    """A caller with progress (the app's compression switch) hears of each distinct layer configuration before its
+    run, and nothing once the process has run them: `build` afterwards launches nothing of its own."""
+    config = KVCacheConfig.parse(SPEC + ":wide=0.5:wide_layers=L1")  # layer 1 a bit wider: two configurations
+    heard: list[tuple[str, float, int]] = []
+    builder = KVCacheBuilder(config).for_shape(SHAPE)
+    builder.verify_kernels(lambda message, fraction: heard.append((message, fraction, len(emulated_gpu))))
+    assert [(m, f) for m, f, _ in heard] == [("first run of the GPU kernels (1 of 2 layer layouts)", 0.0),
+                                             ("first run of the GPU kernels (2 of 2 layer layouts)", 0.5)]
+    assert heard[0][2] == 0 < heard[1][2] < len(emulated_gpu)  # each message before its layout's launches
+    emulated_gpu.clear()
+    heard.clear()
+    builder.verify_kernels(lambda message, fraction: heard.append((message, fraction, 0)))
+    builder.build()
+    assert heard == [] and emulated_gpu == []
+
+
+def test_a_compression_switch_runs_the_first_run_with_its_progress(smollm, emulated_gpu: list[str]) -> None:
+    """The chat session pays the kernels' first run where the app shows progress (the switch to a level), not inside
+    the first reply's cache build."""
+    from engine.chat.session import ChatSession
+
+    model, tokenizer, _ = smollm
+    session = ChatSession(model, tokenizer)
+    heard: list[str] = []
+    session.set_compression(_config(), progress=lambda message, fraction: heard.append(message))
+    assert heard and all(m.startswith("first run of the GPU kernels") for m in heard)
+    assert any(name.startswith("velox_decode") for name in emulated_gpu)
+    emulated_gpu.clear()
+    session.reset_cache()  # a new cache of that compression: nothing left to run first
+    assert emulated_gpu == []
+
+
 def test_a_kernel_computing_something_else_turns_every_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
     right = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *args, **kwargs: right(*args, **kwargs) + 0.5)

@@ -115,10 +115,12 @@ _SAME = object()  # adopt_saved_cache: the cache was made with the session's own
 
 def _resolved(model: Any, config: Any, tokenizer: Any = None, progress: Any = None) -> Any:
     """`config` validated for `model` (None stays None); a `wide=F` config gets its layers named here, calibrated
-    on prose through `tokenizer` or read from the calibration cache (see layer_sensitivity)."""
+    on prose through `tokenizer` or read from the calibration cache (see layer_sensitivity). On a GPU, its kernels'
+    first run (engine/kvcache/kernel_check.py) happens here too, where `progress` hears of it, not in the first
+    reply's cache."""
     if config is None:
         return None
-    return KVCacheBuilder(config).for_model(model, tokenizer=tokenizer, progress=progress).config
+    return KVCacheBuilder(config).for_model(model, tokenizer=tokenizer, progress=progress).verify_kernels(progress).config
 
 
 def _factory_for(model: Any, config: Any, tokenizer: Any = None, progress: Any = None) -> CacheFactory:

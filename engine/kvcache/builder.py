@@ -148,8 +148,16 @@ class KVCacheBuilder:
         install_attention_dispatch()
         register_with_mlx_lm()
         # Where a GPU runs the kernels: each layer configuration's kernels tried once against the reference path
-        verify_kernels(self.config, shape, self.dtype)
+        # (in this process: a caller that ran `verify_kernels` with its progress shown finds them done)
+        self.verify_kernels()
         return [cache_class(self.config, layer_index=i) for i in range(shape.n_layers)]
+
+    def verify_kernels(self, progress: Callable[[str, float], None] | None = None) -> KVCacheBuilder:
+        """Where a GPU runs Velox's kernels, run each layer configuration's once against the reference path
+        (engine/kvcache/kernel_check.py; once per process), telling `progress(message, fraction)`; `build` does it
+        anyway, without progress."""
+        verify_kernels(self.config, self._require_shape(), self.dtype, progress)
+        return self
 
     def _require_shape(self) -> ModelShape:
         if self.shape is None:

@@ -10,14 +10,17 @@ raises, or an output differs from the reference's by more than quantization can 
 the rest of the process under "auto" (`kernels.backend.disable`: every cache then takes the reference path, and the
 log says why) and the build fails with the reason under "require".
 
-Once per configuration, shape and dtype in a process; a few hundred ms, most of it the compiles that the first
-decode step would pay anyway. Nothing runs where no GPU kernel backend is (the CPU, CI).
+Once per configuration, shape and dtype in a process. Its time is mostly the GPU compiler's, building the kernels
+the first reply would otherwise build: seconds to minutes where the machine has not compiled them before. So the chat
+session runs it where the app shows progress (a switch of compression: `KVCacheBuilder.verify_kernels(progress)`),
+and `build` finds it done. Nothing runs where no GPU kernel backend is (the CPU, CI).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -43,9 +46,12 @@ CHECKED_BACKENDS: tuple[str, ...] = ("cuda", "metal")
 _VERIFIED: set[tuple[Any, ...]] = set()
 
 
-def verify_kernels(config: KVCacheConfig, shape: Any, dtype: mx.Dtype = mx.bfloat16) -> None:
+def verify_kernels(config: KVCacheConfig, shape: Any, dtype: mx.Dtype = mx.bfloat16,
+                   progress: Callable[[str, float], None] | None = None) -> None:
     """Run the kernels of every distinct layer configuration of `config` once at `shape` (a ModelShape) in `dtype`,
-    as the module docstring says; on a failure turn kernels off ("auto") or raise ConfigError ("require")."""
+    as the module docstring says; on a failure turn kernels off ("auto") or raise ConfigError ("require").
+    `progress(message, fraction)` hears of each configuration before its run (seconds to minutes where the GPU
+    compiler has not seen the kernels: the caller shows it rather than a first reply that seems to hang)."""
     mode = config.options.get("kernels", _kernels.DEFAULT_KERNEL_MODE)
     backend = _kernels.available_backend()
     if mode == "off" or backend not in CHECKED_BACKENDS:
@@ -54,11 +60,15 @@ def verify_kernels(config: KVCacheConfig, shape: Any, dtype: mx.Dtype = mx.bfloa
     from engine.kvcache.registry import get_method
 
     cache_class = get_method(config.method)
+    pending: dict[tuple[Any, ...], int] = {}  # each configuration not yet run in this process: its first layer
     for index in range(shape.n_layers):
-        layer = str(config.for_layer(index))
-        key = (layer, shape.n_heads, shape.n_kv_heads, shape.head_dim, str(dtype), backend)
-        if key in _VERIFIED:  # this process ran it, or an earlier layer of this config did (a failure returns)
-            continue
+        key = (str(config.for_layer(index)), shape.n_heads, shape.n_kv_heads, shape.head_dim, str(dtype), backend)
+        if key not in _VERIFIED:  # this process ran it already (a failure turned kernels off or raised)
+            pending.setdefault(key, index)
+    for done, (key, index) in enumerate(pending.items()):
+        layer = key[0]
+        if progress is not None:
+            progress(f"first run of the GPU kernels ({done + 1} of {len(pending)} layer layouts)", done / len(pending))
         failure = _first_run(cache_class, config, index, shape, dtype)
         if failure is not None:
             reason = f"the {backend} kernels of {layer} failed their first run on this GPU: {failure}"
