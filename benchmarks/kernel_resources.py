@@ -231,10 +231,9 @@ def attend_unit(key: Codec, value: Codec, group: int, key_block: int | None, hea
                 ("KUNI", int(uniform)), ("KMEAN", key.bits),
                 ("TD", "bfloat16")]
     types = {"qry": "bfloat16", "qry2": "float32", "qscale": "float32", "sink_k": "bfloat16", "sink_v": "bfloat16",
-             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "n_win_r": "uint8", "kgrid": "float32", "vgrid": "float32",
+             "win_k": "bfloat16", "win_v": "bfloat16", "n_comp_r": "uint8", "n_win_r": "uint8", "grids": "float32",
              "rfreq": "float32", "kout": "float16", "kidx": "uint8", "kends": "int32", "kord": "uint8", "kinv": "uint8",
-             **{f"w{c}{part}": kind for c in range(1, 4)
-                for part, kind in (("c", "uint32"), ("s", "bfloat16"), ("b", "bfloat16"), ("o", "float16"), ("i", "uint8"))}}
+             **{f"w{c}c": "uint32" for c in range(1, 4)}}
     for prefix, codec in (("k", key), ("v", value)):
         for slot in range(codec.slots):
             codes = slot == 0 or (codec.kind == "rvq" and slot == 3) or (codec.kind == "prod" and slot == 4)

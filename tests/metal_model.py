@@ -33,6 +33,7 @@ What this cannot see: Apple's compiler's own limits and code generation, threadg
 from __future__ import annotations
 
 import atexit
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -337,12 +338,26 @@ def _unqualified_pointers(root: Any) -> list[tuple[str, int]]:
     return found
 
 
+def _long_tile_only(source: KernelSource, template: Sequence[tuple[str, Any]]) -> bool:
+    """Whether this is a tiled decode launch at a tile past decode.TILED_MAX_TILE, which only a backend's long tile
+    (decode.TILED_LONG_TILES, which names no Metal) chooses: its threadgroup memory is held to that backend's limit."""
+    from engine.kvcache.kernels import decode
+
+    if source.name != decode.tiled_source().name or "metal" in decode.TILED_LONG_TILES:
+        return False
+    # the plan's constants are in the source's defines (decode.PLAN_CONSTANTS_IN_SOURCE) or in the template
+    found = re.search(r"constexpr int CT = (\d+);", source.defines)
+    tile = int(found[1]) if found else dict(template).get("CT", 0)
+    return int(tile) > decode.TILED_MAX_TILE
+
+
 def check_launch(source: KernelSource, inputs: Sequence[mx.array], output_dtypes: Sequence[mx.Dtype],
                  template: Sequence[tuple[str, Any]]) -> None:
     """Raise RuntimeError with the Metal model's errors if `source` launched so would not compile as Metal."""
     unit = metal_unit(source, [(a.dtype, a.size, a.ndim) for a in inputs], output_dtypes, template)
     errors = check_unit(unit)
-    if over_buffer_limit(source, "metal") is not None:  # never launched on Metal (its other limits do not apply)
+    if over_buffer_limit(source, "metal") is not None or _long_tile_only(source, template):
+        # never launched so on Metal (its other limits do not apply)
         errors = tuple(error for error in errors if "threadgroup memory" not in error)
     # Past Metal's 31 buffer arguments a launch cannot be built; the engine declines such a kernel on Metal by its
     # own count (backend.over_buffer_limit), which must be the count MLX's signature makes.

@@ -271,6 +271,30 @@ def test_save_load_and_trim(tmp_path: Path) -> None:
     assert_trim_drops_the_newest_tokens(model, caches)
 
 
+def test_a_cache_saved_with_per_width_scales_loads_as_the_shared_layout() -> None:
+    """Before the widths shared one array of scales, biases and outliers (so a kernel reads all classes through a few
+    buffers), a saved cache held one of each per width (key_scales_w3, ...). Such a state loads into today's layout and
+    decodes the same keys and values."""
+    model, builder = _built()
+    cache = builder.build()[0]
+    keys, values = random_kv(n_kv_heads=2, n_tokens=300, head_dim=64, outlier_channels=(3, 17))
+    filled(cache, keys, values)
+    state = cache.state
+    shared = ("key_scales", "key_biases", "key_outlier_residuals", "key_outlier_index")
+    assert set(shared) <= set(state["compressed"])
+    old = {name: array for name, array in state["compressed"].items() if name not in shared}
+    for width, start, end in cache._width_rows:
+        for name in shared:
+            old[f"{name}_w{width}"] = state["compressed"][name][..., start:end, :]
+    loaded = type(cache).__new__(type(cache))
+    loaded.state = {**state, "compressed": old}
+    assert sorted(loaded._store) == sorted(state["compressed"])
+    for name, array in state["compressed"].items():
+        assert mx.array_equal(loaded._store[name], array), name
+    for mine, theirs in zip(loaded.to_dense(), cache.to_dense(), strict=True):
+        assert mx.array_equal(mine, theirs)
+
+
 def test_bad_key_widths_options_are_clear_errors() -> None:
     for spec, message in (
         ("kivi:k3v3:key_widths=yes", "key_widths=calibrated"),

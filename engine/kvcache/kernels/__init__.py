@@ -26,12 +26,12 @@ Metal compiler seen the kernels: the tests check each emulated launch's Metal te
 MSL (tests/metal_model.py), which is what stands between a Metal-only spelling error and a Mac. Where the comments
 on the backend lists say a kernel runs on Metal "by construction", that is the claim the model checks.
 
-Metal binds a kernel's arrays to at most 31 buffer arguments (`backend.over_buffer_limit`), which three kernels pass:
-the tiled decode pass (47, `decode.tiled_declines`), KIVI's tiled history decode (39) and the polar decode pass
-(35-37). On Metal a cache that would need one of them takes another kernel where one reads its layout (plain KIVI:
-the per-subgroup pass) and the reference path otherwise: the app's levels (key widths, key outliers, keys before
-RoPE, which only the tiled pass reads) decode through MLX's quantized_matmul there, and `rope=auto` keeps keys as
-given. Packing the tiled pass's inputs into fewer buffers would bring the levels' fused decode to a Mac.
+Metal binds a kernel's arrays to at most 31 buffer arguments (`backend.over_buffer_limit`;
+benchmarks/results/metal-buffers.json). The tiled decode pass, which the app's levels decode through, takes 30: KIVI's
+key-width classes keep one array of scales, biases and outliers for all of them (only their codes are per class), its
+two grids are one input, and it derives its arrays' row lengths from the capacity instead of reading their shapes
+(each shape a body reads is one more buffer). It took 47 before, and no Mac could have built it. The polar decode
+pass (35-37) is still past the limit: on Metal a polar cache takes the reference path.
 """
 
 from __future__ import annotations

@@ -612,8 +612,9 @@ _TILED_BODY = """
   constexpr float KUP = KFOLD ? (float)(1u << KB) : 1.0f;
   const int bh = GROUP_Y;
   // KCLS > 0 (KIVI's key_widths): the key channels, in the cache's storage order, fall into KCLS classes, class c of
-  // KBLO + c bits over rows [end of class c - 1, kends[c]) (a class may be empty), each class with its own arrays:
-  // codes, scales, biases and outliers (k0, k1, k2, kout, kidx for class 0; wNc, wNs, wNb, wNo, wNi for class N).
+  // KBLO + c bits over rows [end of class c - 1, kends[c]) (a class may be empty), each class with its own codes (k0
+  // for class 0, wNc for class N); the scales, biases and outliers (k1, k2, kout, kidx) are one array each, all rows in
+  // the storage order, as without classes.
   // The query's channels are gathered into the storage order as they are loaded (kord: each kv head's order), so
   // phase 1 meets every key row with its own channel, and the 16-bit tokens read their keys through the same order.
   // KB is then the widest class's width (the staged rows' stride); every class's row of a tile is whole words.
@@ -636,12 +637,13 @@ _TILED_BODY = """
   const int d_tiles = (d_count + CT - 1) / CT;
   const int my_d_tiles = (GROUP_X == GROUPS_X - 1) ? d_tiles : 0;
   const int all_tiles = comp_tiles + my_d_tiles;
-  const long k_row = (long)k0_shape[3];          // key code words per channel row
-  // key blocks per channel row (KCLS: from the capacity, class 0's arrays may be placeholders without that shape)
-  const long k_groups = KCLS ? (long)v0_shape[2] / GK : (long)k1_shape[3];
-  const long v_row = (long)v0_shape[3];          // value code words per token (VWT)
-  const long v_groups = (long)v1_shape[3];       // value groups per token
+  // The arrays' row lengths follow from the capacity (compressed slots, a multiple of GK) and the template, not from
+  // their shapes: each shape read is a buffer argument, and Metal binds at most 31 (kernels/backend.py).
   const long cap = (long)v0_shape[2];
+  const long k_row = cap * KB / 32;              // key code words per channel row (no classes)
+  const long k_groups = cap / GK;                // key blocks per channel row
+  const long v_row = VWT;                        // value code words per token
+  const long v_groups = VG;                      // value groups per token
 
   SHARED float sh_q[D * R];          // scaled queries, channel-major: sh_q[d * R + r]
 #define QS_AT(d, r) ((d) * R + (int)((unsigned)(d) >> 3) * 4 + (r))
@@ -688,7 +690,7 @@ _TILED_BODY = """
   // scale·grid[c] + bias; the keys' fold of scale and bias into the query holds as for plain codes.
   SHARED float sh_kgrid[16];
   SHARED float sh_vgrid[16];
-  if (TID < 16) { sh_kgrid[TID] = kgrid[TID]; sh_vgrid[TID] = vgrid[TID]; }
+  if (TID < 16) { sh_kgrid[TID] = grids[TID]; sh_vgrid[TID] = grids[16 + TID]; }   // keys' 16 levels, then values'
   if (ROPE) for (int i = TID; i < D / 2; i += NT) sh_rf[i] = rfreq[i];
   // ROPE_STEP (decode.ROPE_STEP_BACKENDS): phase 1 turns a run's first token by its angle as the reference computes it
   // and each next token by one more position's turn of its pair (cos, sin of the pair's angle per position, here),
@@ -764,16 +766,9 @@ _TILED_BODY = """
       }
     }
   }
-  // KCLS: this thread's key channel row (TID < D: NDK is 1, as NT >= D) in its class's scales, biases and outliers,
-  // chosen once per split (a choice among four loads per tile otherwise), and the row's 2^width (phase 1's x).
+  // KCLS: the 2^width of this thread's key channel row (TID < D: NDK is 1, as NT >= D), phase 1's x.
   static_assert(!KCLS || NDK == 1, "key widths: one key channel row per thread");
   const int my_c = KCLS ? CLASS_OF(TID < D ? TID : 0) : 0;
-  const int my_first = PICK4(my_c, 0, e0, e1, e2);
-  const long my_row = ((long)bh * (PICK4(my_c, e0, e1, e2, e3) - my_first) + (TID < D ? TID : 0) - my_first) * k_groups;
-  const auto my_ks = PICK4(my_c, k1, w1s, w2s, w3s) + (KCLS ? my_row : 0);
-  const auto my_kb = PICK4(my_c, k2, w1b, w2b, w3b) + (KCLS ? my_row : 0);
-  const auto my_ko = PICK4(my_c, kout, w1o, w2o, w3o) + (KCLS ? my_row : 0);
-  const auto my_ki = PICK4(my_c, kidx, w1i, w2i, w3i) + (KCLS ? my_row : 0);
   const float my_kup = (float)(1u << (KBLO + my_c));
   U32 st_vw[NVW];
   float st_vs[NVG];
@@ -850,14 +845,7 @@ _TILED_BODY = """
     } \
     for (int j = 0; j < NDK; ++j) { \
       const int d = TID + j * NT; \
-      if ((FULL_DK || d < D) && KCLS) { \
-        st_ks[j] = (float)my_ks[kg]; \
-        st_kb[j] = (float)my_kb[kg]; \
-        if (KO) { \
-          st_ko[KO ? j : 0] = (int)my_ki[kg] - sb % GK; \
-          st_kd[KO ? j : 0] = (float)my_ko[kg]; \
-        } \
-      } else if (FULL_DK || d < D) { \
+      if (FULL_DK || d < D) { \
         st_ks[j] = (float)k1[((long)bh * D + d) * k_groups + kg]; \
         st_kb[j] = (float)k2[((long)bh * D + d) * k_groups + kg]; \
         if (KO) { \
@@ -1477,7 +1465,7 @@ def tiled_source() -> KernelSource:
     """The tiled attention pass (KIVI keys, affine values); code widths are template arguments KB and VB."""
     inputs = (
         "qry", "qscale", "sink_k", "sink_v", "win_k", "win_v", "n_comp_r", "n_win_r",
-        "k0", "k1", "k2", "v0", "v1", "v2", "kgrid", "vgrid", "rfreq", "kout", "kidx", *WIDTH_INPUTS,
+        "k0", "k1", "k2", "v0", "v1", "v2", "grids", "rfreq", "kout", "kidx", *TILED_WIDTH_INPUTS,
     )
     return KernelSource(
         name="velox_decode_tiled_kivi_affine",
@@ -1489,11 +1477,10 @@ def tiled_source() -> KernelSource:
 
 
 def tiled_declines(backend: str | None) -> str | None:
-    """Why the tiled pass cannot run on `backend` (None: it can). On Metal it takes more buffer arguments than a
-    kernel gets (47 of 31: its inputs for every key-width class, outliers, grids and angles, with their shapes), so
-    there the plain KIVI layouts take the per-subgroup pass (`attend_source`) and the layouts only the tiled pass
-    reads (key widths, keys before RoPE, key outliers: the app's levels) the reference path, until its inputs are
-    packed into fewer buffers (tests/metal_model.py counts every launch's)."""
+    """Why the tiled pass cannot run on `backend` (None: it can): on Metal, were it to take more buffer arguments
+    than a kernel gets (30 of 31 now; tests/metal_model.py counts every launch's). Where it declines, plain KIVI
+    takes the per-subgroup pass (`attend_source`) and the layouts only the tiled pass reads (key widths, keys before
+    RoPE, key outliers: the app's levels) the reference path."""
     return over_buffer_limit(tiled_source(), backend)
 
 
@@ -1683,6 +1670,11 @@ def _no_grid() -> mx.array:
     return _constant(("grid",), lambda: mx.zeros((16,), dtype=mx.float32))
 
 
+def _no_grids() -> mx.array:
+    """The tiled pass's grids input where neither role has a grid (the keys' 16 levels, then the values')."""
+    return _constant(("grids",), lambda: mx.zeros((32,), dtype=mx.float32))
+
+
 def _no_outliers() -> tuple[mx.array, mx.array]:
     """The tiled pass's block-outlier inputs for keys without them (KO = 0: never read; 8 elements, see
     `_placeholder`)."""
@@ -1714,50 +1706,44 @@ class DecodePlan:
     sketch: bool = False  # the key codec reads a second, sketched query (SKETCH_KINDS)
 
 
-# The key widths' inputs of the kernels that read KIVI keys (the tiled pass, the history decode), after the others.
-WIDTH_INPUTS = ("kends", "kord", "kinv", *(f"w{c}{part}" for c in range(1, MAX_WIDTH_CLASSES) for part in "csboi"))
+# The key widths' inputs of the kernels reading KIVI keys (the tiled pass, the history decode), after the others: the
+# classes' ends, the storage order and its inverse, and the codes of classes 1.. (class 0's are k0; the scales, biases
+# and outliers of all classes are k1, k2, kout, kidx). The tiled pass gathers its channels through the order alone.
+WIDTH_INPUTS = ("kends", "kord", "kinv", *(f"w{c}c" for c in range(1, MAX_WIDTH_CLASSES)))
+TILED_WIDTH_INPUTS = tuple(name for name in WIDTH_INPUTS if name != "kinv")
 
 
 def kivi_key_inputs(key_codec: Codec,
                     key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
     """KIVI keys' arrays as the kernels take them: (codes, scales, biases), (outlier residuals, indices), and the
-    WIDTH_INPUTS; with key widths the first two are class 0's; placeholders for what the layout lacks (never read)."""
+    WIDTH_INPUTS; with key widths the codes are class 0's; placeholders for what the layout lacks (never read)."""
     if key_codec.widths:
         return _width_inputs(key_codec, key_arrays)
     arrays: list[mx.array] = [a for a in key_arrays if a is not None]
     assert len(arrays) == len(key_arrays)
     outliers = list(arrays[-2:]) if key_codec.outliers else list(_no_outliers())
-    one_class = [_placeholder(a.dtype) for a in (*arrays[:3], *outliers)]
     widths = [_placeholder(mx.int32), _placeholder(mx.uint8), _placeholder(mx.uint8),
-              *one_class * (MAX_WIDTH_CLASSES - 1)]
+              *[_placeholder(arrays[0].dtype)] * (MAX_WIDTH_CLASSES - 1)]
     return arrays[:3], outliers, widths
 
 
 def _width_inputs(key_codec: Codec,
                   key_arrays: list[mx.array | None]) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
-    """`kivi_key_inputs` with key widths (`Codec.widths`): class 0's codes, scales, biases and outliers, then the ends,
-    the order, its inverse and every other class's five, a placeholder for each class the layer lacks (and for the
-    outliers where there are none)."""
-    ends, order, inverse, *per_class = key_arrays
+    """`kivi_key_inputs` with key widths (`Codec.widths`): the ends, the order, its inverse, each class's codes (None
+    where the layer has no channel of that width), then the classes' shared scales, biases (and outliers) as given;
+    class 0's codes come first as k0, a placeholder for each class the layer lacks (and for absent outliers)."""
+    classes = len(key_codec.widths)
+    ends, order, inverse, *rest = key_arrays
+    codes, shared = rest[:classes], rest[classes:]
     assert ends is not None and order is not None and inverse is not None
-    parts = 5 if key_codec.outliers else 3
-    if len(per_class) != parts * len(key_codec.widths):
-        raise ValueError(f"Key widths {key_codec.widths} take {parts} arrays a class, not {len(per_class)} in all.")
-    code_like = next(a for a in per_class[0::parts] if a is not None)
-    scale_like = next(a for a in per_class[1::parts] if a is not None)
-    outlier_like = (next(a for a in per_class[3::parts] if a is not None) if key_codec.outliers
-                    else _no_outliers()[0])
-    index_like = (next(a for a in per_class[4::parts] if a is not None) if key_codec.outliers
-                  else _no_outliers()[1])
-    likes = (code_like, scale_like, scale_like, outlier_like, index_like)
-    classes = []
-    for c in range(MAX_WIDTH_CLASSES):
-        given = per_class[c * parts:(c + 1) * parts] if c < len(key_codec.widths) else []
-        given = [*given, *([None] * (5 - len(given)))]
-        classes.append([a if a is not None else _placeholder(like.dtype) for a, like in zip(given, likes, strict=True)])
-    first = classes[0]
-    rest = [a for arrays in classes[1:] for a in arrays]
-    return [first[0], first[1], first[2]], [first[3], first[4]], [ends, order, inverse, *rest]
+    if len(shared) != (4 if key_codec.outliers else 2) or any(a is None for a in shared):
+        raise ValueError(f"Key widths {key_codec.widths} take each class's codes, then the scales, biases"
+                         f"{' and outliers' if key_codec.outliers else ''} of all; got {len(rest)} arrays.")
+    like = next(a for a in codes if a is not None)
+    codes = [a if a is not None else _placeholder(like.dtype) for a in codes]
+    codes += [_placeholder(like.dtype)] * (MAX_WIDTH_CLASSES - classes)
+    outliers = list(shared[2:]) if key_codec.outliers else list(_no_outliers())
+    return [codes[0], shared[0], shared[1]], outliers, [ends, order, inverse, *codes[1:]]
 
 
 def width_ends(ends: tuple[int, ...]) -> mx.array:
@@ -1846,11 +1832,13 @@ def plan_decode(
                     ("KCLS", len(key_codec.widths)), ("KBLO", key_codec.widths[0] if key_codec.widths else key_codec.bits),
                     ("KUNI", int(WIDTH_UNIFORM_RUNS and bool(key_codec.widths))), ("KMEAN", key_codec.bits))
         head, outliers, widths = kivi_key_inputs(key_codec, key_arrays)
-        # codes, scales, biases of each role, the two grids (a placeholder where a role has none), the angles, the
-        # keys' block outliers (placeholders without), then the key widths' inputs
-        arrays = (*head, *value_arrays[:3], key_arrays[3] if key_codec.grid else _no_grid(),
-                  value_arrays[3] if value_codec.grid else _no_grid(), _no_grid() if rope is None else rope[0],
-                  *outliers, *widths)
+        # codes, scales, biases of each role, the two grids (one input, zeros where a role has none), the angles, the
+        # keys' block outliers (placeholders without), then the key widths' inputs (the order, not its inverse)
+        grids = (_no_grids() if not (key_codec.grid or value_codec.grid) else
+                 mx.concatenate([key_arrays[3] if key_codec.grid else _no_grid(),
+                                 value_arrays[3] if value_codec.grid else _no_grid()]))
+        arrays = (*head, *value_arrays[:3], grids, _no_grid() if rope is None else rope[0],
+                  *outliers, *widths[:2], *widths[3:])
     else:
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))

@@ -273,7 +273,7 @@ _KIVI_BODY = """
   const int count = n - c0 < TT ? n - c0 : TT;
   WIDTH_CLASS_ENDS
   const long cap = (long)v0_shape[2];
-  const long groups = cap / GK;        // key blocks per row (class 0's arrays may be placeholders: no shape to read)
+  const long groups = cap / GK;        // key blocks per row (the capacity a multiple of GK)
   const long head = KCLS ? (long)(bh % kinv_shape[0]) * D : 0;
   // 1. The keys, channel by channel into shared memory: a warp decodes consecutive tokens of one channel (whole code
   // words, one scale and bias), where a thread per token read every channel's row for a single token.
@@ -283,25 +283,21 @@ _KIVI_BODY = """
     if (t < count) {
       const int c = c0 + t;
       const int g = c / GK;
-      float x;
-      if (KCLS) {                      // key widths: the channel's storage row (kinv), its class's width and arrays
-        const int s = (int)kinv[head + ch];
+      // The channel's storage row (key widths: through kinv; its class's codes at its class's width) and its block's
+      // scale, bias and outlier (one array each for every class, rows in the storage order).
+      const int s = KCLS ? (int)kinv[head + ch] : ch;
+      const long at = ((long)bh * D + s) * groups + g;
+      const GLOBAL U32* codes = k0 + ((long)bh * D + s) * (cap * KB / 32);
+      int w = KB;
+      if (KCLS) {
         const int cl = CLASS_OF(s);
-        const int w = KBLO + cl;
         const int first = PICK4(cl, 0, e0, e1, e2);
-        const long row = (long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first);
-        const long at = row * groups + g;
-        x = PICK4(cl, (float)k1[at], (float)w1s[at], (float)w2s[at], (float)w3s[at])
-                * (float)code_at(PICK4(cl, k0, w1c, w2c, w3c) + row * (cap * w / 32), c, w)
-            + PICK4(cl, (float)k2[at], (float)w1b[at], (float)w2b[at], (float)w3b[at]);
-        if (KO && PICK4(cl, (int)kidx[at], (int)w1i[at], (int)w2i[at], (int)w3i[at]) == c - g * GK)
-          x += PICK4(cl, (float)kout[at], (float)w1o[at], (float)w2o[at], (float)w3o[at]);
-      } else {
-        const long row = (long)bh * D + ch;
-        x = (float)k1[row * k1_shape[3] + g] * (float)code_at(k0 + row * k0_shape[3], c, KB)
-            + (float)k2[row * k2_shape[3] + g];
-        if (KO && (int)kidx[row * kidx_shape[3] + g] == c - g * GK) x += (float)kout[row * kout_shape[3] + g];
+        w = KBLO + cl;
+        codes = PICK4(cl, k0, w1c, w2c, w3c) + ((long)bh * (PICK4(cl, e0, e1, e2, e3) - first) + (s - first))
+                                                 * (cap * w / 32);
       }
+      float x = (float)k1[at] * (float)code_at(codes, c, w) + (float)k2[at];
+      if (KO && (int)kidx[at] == c - g * GK) x += (float)kout[at];
       sh_k[t * SD + ch] = x;
     }
   }
@@ -381,7 +377,8 @@ def supported(key: Codec, value: Codec, head_dim: int, backend: str, rope: bool 
     keys stored before RoPE, which it turns (at different widths only on a backend in decode.WIDTH_ROPE_BACKENDS)."""
     if _decode.unverified_on(key, backend) or _decode.unverified_on(value, backend):
         return False
-    # Metal's 31 buffer arguments (KIVI's tiled history decode takes 39): the reference path there
+    # Metal's 31 buffer arguments: a kernel past them takes the reference path there (KIVI's tiled history decode
+    # takes 22 since the key widths share their scales, biases and outliers: benchmarks/results/metal-buffers.json)
     return _takes(key, value, head_dim, backend, rope) and over_buffer_limit(dequantize_source(key, value), backend) is None
 
 

@@ -251,14 +251,15 @@ _BODY = """
       if (t == at) outlier_code = code;
       PACK_CODE(dst, code, w, pos, acc);
     }
-    const long g = row * nb + b;
-    PICK_CLASS(cl, ks)[g] = static_cast<TD>(kept_scale);
-    PICK_CLASS(cl, kb)[g] = static_cast<TD>(kept_bias);
+    // The scales, biases and outliers of every class share one array each, rows in the storage order.
+    const long g = (bh * D + s) * nb + b;
+    ks[g] = static_cast<TD>(kept_scale);
+    kb[g] = static_cast<TD>(kept_bias);
 #if KO
     // The residual against the entry as decoded with the kept scale and bias in float32 (the reference's decode).
     const float decoded = (float)outlier_code * kept_scale + kept_bias;
-    PICK_CLASS(cl, kr)[g] = static_cast<TR>((take_top ? top : low) - decoded);
-    PICK_CLASS(cl, ki)[g] = (uint8_t)at;
+    kr[g] = static_cast<TR>((take_top ? top : low) - decoded);
+    ki[g] = (uint8_t)at;
 #endif
   } else if (idx < key_jobs + value_jobs) {
     // One group of G channels of one token's values.
@@ -317,11 +318,10 @@ def supported(key_quantizer: str, value_quantizer: str, widths: tuple[int, ...],
 @functools.cache
 def encode_source(classes: int, outliers: bool, symmetric_values: bool,
                   clip: tuple[tuple[float, ...], int] = ((1.0,), 0)) -> KernelSource:
-    """The encode kernel for `classes` key width classes (one output set each), with or without outliers and value
-    biases; `clip`: the clip search's ratios (the first 1.0, the group itself) and its two means' Lloyd steps
-    (kivi.CLIP_RATIOS, kivi.TWO_MEANS_STEPS)."""
-    parts = "csbri" if outliers else "csb"
-    key_outputs = tuple(f"k{part}{c}" for c in range(classes) for part in parts)
+    """The encode kernel for `classes` key width classes (the codes of each, then the scales, biases and outliers of
+    all), with or without outliers and value biases; `clip`: the clip search's ratios (the first 1.0, the group itself)
+    and its two means' Lloyd steps (kivi.CLIP_RATIOS, kivi.TWO_MEANS_STEPS)."""
+    key_outputs = (*(f"kc{c}" for c in range(classes)), "ks", "kb", *(("kr", "ki") if outliers else ()))
     value_outputs = ("vc", "vs") if symmetric_values else ("vc", "vs", "vb")
     pick = f"name##{classes - 1}"  # PICK_CLASS(c, kc): class c's output kc<c>
     for c in reversed(range(classes - 1)):
@@ -355,7 +355,8 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
     """The store entries of new keys and values [B, n_kv, T, D] (T a multiple of `key_block`) as
     `kivi.quantize_key_blocks` and `kivi.quantize_value_groups` give them: keys per channel over blocks of
     `key_block` tokens (with `widths`, each width's (width, first row, end row) in the storage order `key_order`
-    [n_kv, D], entries named for the width), values per token in groups of `group_size` channels; `clip`: the clip
+    [n_kv, D], each width's codes named for it, the scales, biases and outliers of all widths one entry each, rows in
+    the storage order), values per token in groups of `group_size` channels; `clip`: the clip
     search's ratios and two-means steps, for the quantizer "clipped"."""
     batch, n_kv, tokens, head_dim = keys.shape
     if tokens % key_block:
@@ -369,14 +370,13 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
     ends = [end for _, _, end in classes] + [head_dim] * (MAX_CLASSES - len(classes))
     width_of = [width for width, _, _ in classes] + [0] * (MAX_CLASSES - len(classes))
     order = key_order if widths else _int_array((0,), mx.uint8)
-    shapes, dtypes = [], []
-    for width, start, end in classes:
-        rows = end - start
-        shapes += [(batch, n_kv, rows, tokens * width // 32), (batch, n_kv, rows, blocks), (batch, n_kv, rows, blocks)]
-        dtypes += [mx.uint32, keys.dtype, keys.dtype]
-        if outliers:
-            shapes += [(batch, n_kv, rows, blocks)] * 2
-            dtypes += [mx.float16, mx.uint8]
+    shapes = [(batch, n_kv, end - start, tokens * width // 32) for width, start, end in classes]
+    dtypes = [mx.uint32] * len(classes)
+    shapes += [(batch, n_kv, head_dim, blocks)] * 2
+    dtypes += [keys.dtype, keys.dtype]
+    if outliers:
+        shapes += [(batch, n_kv, head_dim, blocks)] * 2
+        dtypes += [mx.float16, mx.uint8]
     value_groups = (batch, n_kv, tokens, head_dim // group_size)
     shapes += [(batch, n_kv, tokens, head_dim * value_bits // 32), value_groups]
     dtypes += [mx.uint32, keys.dtype]
@@ -395,12 +395,7 @@ def kivi_encode(keys: mx.array, values: mx.array, widths: tuple[tuple[int, int, 
         output_dtypes=dtypes,
     )
     value_names = ["value_codes", "value_scales"] + ([] if symmetric else ["value_biases"])
-    key_parts = ["key_codes", "key_scales", "key_biases"] + (
-        ["key_outlier_residuals", "key_outlier_index"] if outliers else [])
-    per_class = len(key_parts)
-    store = dict(zip(value_names, outputs[len(classes) * per_class:], strict=True))
-    for c, (width, _, _) in enumerate(classes):
-        suffix = f"_w{width}" if widths else ""
-        for p, name in enumerate(key_parts):
-            store[name + suffix] = outputs[c * per_class + p]
-    return store
+    key_names = [f"key_codes_w{width}" if widths else "key_codes" for width, _, _ in classes]
+    key_names += ["key_scales", "key_biases"] + (["key_outlier_residuals", "key_outlier_index"] if outliers else [])
+    # the reference's order (values, then keys): a store's arrays keep the order of its first chunk
+    return dict(zip(value_names + key_names, outputs[len(key_names):] + outputs[:len(key_names)], strict=True))

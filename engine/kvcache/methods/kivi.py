@@ -102,8 +102,10 @@ Option `key_widths=calibrated` stores the key channels at different widths aroun
 in a 3-bit layer, 1-4 averaging 2 in a 2-bit one), the bits going where the queries lean and the keys range most
 (`quant/channel_widths.py`; the importance is measured on the model by `engine/kvcache/key_widths.py`, and the builder
 writes the table's digest in the spec, key_widths=kw...). Every kv head of a layer has the same count of channels at each width, so each width's
-channels are one set of key arrays (key_codes_w3, key_scales_w3, ...: the same scales, biases and outliers per
-channel and block as plain KIVI, so the bits are the spec's), stored in a per-head channel order; attention gathers
+channels' codes are one array (key_codes_w3, ...), and the scales, biases and outliers, the same per channel and block
+as plain KIVI's (so the bits are the spec's), are one array each over all channels, all stored in a per-head channel
+order, narrowest width first (a kernel then reads every class through a few buffers: Metal binds at most 31, see
+kernels/backend.py). Attention gathers
 the query's channels into that order once and adds one `mx.quantized_matmul` per width. The order and its inverse are
 per-layer constants, counted; a saved cache holds its layer's widths. The decode kernel's tiled pass reads every
 class at its own width with the query gathered into the storage order (`kernels/decode.py`, Codec.widths;
@@ -169,8 +171,11 @@ from engine.kvcache.quant.rotation import Rotation, hadamard_supported, make_rot
 from engine.kvcache.registry import register_method
 
 # The key arrays (key_*) have the token axis last (per-channel keys); every other store array has it at -2. With
-# key_widths each width's channels have their own arrays, named with the width: key_codes_w3, key_scales_w3, ...
+# key_widths each width's channels have their own codes, named with the width (key_codes_w3, ...); the scales, biases
+# and outliers of every width are one array each, rows in the storage order (each width's rows, narrowest first).
 _WIDTH_SUFFIX = re.compile(r"_w(\d+)$")
+# A cache saved before the widths shared their scales, biases and outliers: one array of each per width.
+_OLD_WIDTH_PART = re.compile(r"^(key_scales|key_biases|key_outlier_residuals|key_outlier_index)_w(\d+)$")
 
 # Option key_widths: key channels at different widths (quant/channel_widths.py); `calibrated` asks the builder to
 # measure them (engine/kvcache/key_widths.py), which writes the table's digest (kw...) in its place.
@@ -182,10 +187,29 @@ def _is_key_part(name: str) -> bool:
     return name.startswith("key_")
 
 
-def _width_store(store: dict[str, mx.array], width: int) -> dict[str, mx.array]:
-    """The arrays of one width's key channels under the plain names (key_codes, ...), as the affine ops read them."""
-    suffix = f"_w{width}"
-    return {name[: -len(suffix)]: array for name, array in store.items() if name.endswith(suffix)}
+def _width_store(store: dict[str, mx.array], width: int, start: int, end: int) -> dict[str, mx.array]:
+    """The key arrays of one width's channels (storage rows [start, end)) under the plain names (key_codes, ...), as
+    the affine ops read them: its codes, and its rows of the shared scales, biases and outliers."""
+    part = {name: array[..., start:end, :] for name, array in store.items()
+            if _is_key_part(name) and not name.startswith("key_codes")}
+    part["key_codes"] = store[f"key_codes_w{width}"]
+    return part
+
+
+def merge_width_parts(store: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A store saved with one array of scales, biases and outliers per width (key_scales_w3, ...) in today's layout:
+    each part one array, the widths' rows narrowest first (the storage order). Other stores come back as they are."""
+    old: dict[str, list[tuple[int, mx.array]]] = {}
+    for name, array in store.items():
+        match = _OLD_WIDTH_PART.match(name)
+        if match:
+            old.setdefault(match.group(1), []).append((int(match.group(2)), array))
+    if not old:
+        return store
+    merged = {name: array for name, array in store.items() if not _OLD_WIDTH_PART.match(name)}
+    for part, arrays in old.items():
+        merged[part] = mx.concatenate([array for _, array in sorted(arrays, key=lambda pair: pair[0])], axis=-2)
+    return merged
 
 # Option rope=pre (keys stored before RoPE) and the model's RoPE, which the builder writes beside it: one
 # option per RopeParameters field, in its order.
@@ -290,7 +314,8 @@ def quantize_key_blocks(keys_transposed: mx.array, key_order: mx.array | None,
                         grid: str | None, outliers: int) -> dict[str, mx.array]:
     """New keys Kᵀ [.., D, T] as the store's key entries (`_key_block_entries`), with each block's outlier aside where
     `outliers`; with key widths (`width_rows`: each width's (width, first row, end row) in the storage order
-    `key_order` [n_kv, D]) each width's channels at that width, in entries named for it (key_codes_w3, ...). Compiled
+    `key_order` [n_kv, D]) each width's channels at that width, their codes named for it (key_codes_w3, ...), the
+    scales, biases and outliers of all widths one entry each, rows in the storage order. Compiled
     on a GPU (quant/fused.py): the outlier split's reductions, the residuals and the clip search are chains of small
     operations."""
     if width_rows is not None:
@@ -302,13 +327,16 @@ def quantize_key_blocks(keys_transposed: mx.array, key_order: mx.array | None,
         split = (block_outliers, index)
     if width_rows is None:
         return _key_block_entries(keys_transposed, block, bits, quantizer, grid, split)
-    return {
-        f"{name}_w{width}": array
+    per_width = [
+        _key_block_entries(keys_transposed[..., start:end, :], block, width, quantizer, None,
+                           None if split is None else (split[0][..., start:end, :], split[1][..., start:end, :]))
         for width, start, end in width_rows
-        for name, array in _key_block_entries(
-            keys_transposed[..., start:end, :], block, width, quantizer, None,
-            None if split is None else (split[0][..., start:end, :], split[1][..., start:end, :])).items()
-    }
+    ]
+    store = {f"key_codes_w{width}": entries.pop("key_codes")
+             for (width, _, _), entries in zip(width_rows, per_width, strict=True)}
+    for name in per_width[0]:
+        store[name] = mx.concatenate([entries[name] for entries in per_width], axis=-2)
+    return store
 
 
 @compiled_on_gpu
@@ -717,6 +745,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         if "key_widths" in extra:
             self._set_key_widths(np.array(extra["key_widths"]))
+        if self._store is not None:
+            self._store = merge_width_parts(self._store)
 
     def _constant_arrays(self) -> list[mx.array]:
         arrays = rotation_arrays(self._value_rotation) if isinstance(self._value_rotation, Rotation) else []
@@ -805,8 +835,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
                 store, "key", self.token_block, self.config.key_bits, float32_scales=float32_scales))
         assert self._key_inverse is not None
         parts = []
-        for width, _, _ in rows:
-            part = _width_store(store, width)
+        for width, start, end in rows:
+            part = _width_store(store, width, start, end)
             parts.append(self._with_outliers(part, affine_dequantize(
                 part, "key", self.token_block, width, float32_scales=float32_scales)))
         ordered = mx.concatenate(parts, axis=-2)
@@ -892,7 +922,8 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         ordered = mx.take_along_axis(queries, self._key_order[None, :, None, :], axis=-1)
         scores = None
         for width, start, end in rows:
-            part = self._plain_scores(ordered[..., start:end], _width_store(store, width), width).astype(mx.float32)
+            part = self._plain_scores(ordered[..., start:end], _width_store(store, width, start, end),
+                                      width).astype(mx.float32)
             scores = part if scores is None else scores + part
         assert scores is not None
         return scores
@@ -924,7 +955,7 @@ class VeloxKIVIKVCache(SegmentedKVCache):
         key_grid, value_grid = self.grid_of(self.config, "key"), self.grid_of(self.config, "value")
         symmetric = bool(self.config.options.get("symmetric_values", False))
         # A gridded role's arrays end with its levels (only the tiled decode pass reads grids: see Codec.grid).
-        outliers = any(name.startswith("key_outlier_residuals") for name in store)
+        outliers = "key_outlier_residuals" in store
         rows = self._width_rows
         if rows is not None:  # key widths: every class of width_choices, None where the layer has no such channel
             assert self._key_order is not None
@@ -938,10 +969,12 @@ class VeloxKIVIKVCache(SegmentedKVCache):
             # (WidthClasses checks it when the widths are set).
             assert sum((e - s) * w for w, s, e in zip(widths, [0, *ends], ends, strict=False)) == (
                 self._k_head_dim * self.config.key_bits)
-            parts = ("key_codes", "key_scales", "key_biases",
-                     *(("key_outlier_residuals", "key_outlier_index") if outliers else ()))
+            # each class's codes (None where the layer has no channel of that width), then the classes' shared
+            # scales, biases and outliers
             key_arrays = [_kernels.decode.width_ends(tuple(ends)), self._key_order, self._key_inverse,
-                          *(store.get(f"{part}_w{width}") for width in widths for part in parts)]
+                          *(store.get(f"key_codes_w{width}") for width in widths),
+                          store["key_scales"], store["key_biases"],
+                          *((store["key_outlier_residuals"], store["key_outlier_index"]) if outliers else ())]
             codec = Codec("kivi_keys", self.config.key_bits, outliers=outliers, widths=widths)
             return (codec, key_arrays, *self._value_codec(store, value_grid, symmetric))
         return (
