@@ -166,7 +166,7 @@ def _attend_dtypes(key: Codec, value: Codec) -> dict[str, mx.Dtype]:
             "rvq": (mx.uint32, mx.bfloat16, mx.float32, mx.uint32, mx.bfloat16, mx.float32),
             "prod": (mx.uint32, mx.bfloat16, mx.float32, mx.bfloat16, mx.uint32),
             "qjl": (mx.uint32, mx.bfloat16),
-            "polar": (mx.uint32, mx.bfloat16, mx.uint32, *[mx.float32] * codec.levels),
+            "polar": (mx.uint32, mx.bfloat16, mx.uint32, mx.float32),
             "vq": (mx.uint32, mx.bfloat16, mx.float16),
         }[codec.kind]
         dtypes |= {f"{prefix}{i}": dtype for i, dtype in enumerate(kinds)}

@@ -30,8 +30,9 @@ Metal binds a kernel's arrays to at most 31 buffer arguments (`backend.over_buff
 benchmarks/results/metal-buffers.json). The tiled decode pass, which the app's levels decode through, takes 30: KIVI's
 key-width classes keep one array of scales, biases and outliers for all of them (only their codes are per class), its
 two grids are one input, and it derives its arrays' row lengths from the capacity instead of reading their shapes
-(each shape a body reads is one more buffer). It took 47 before, and no Mac could have built it. The polar decode
-pass (35-37) is still past the limit: on Metal a polar cache takes the reference path.
+(each shape a body reads is one more buffer). It took 47 before, and no Mac could have built it; the polar decode
+pass took 35-37 (a centroid table per level, now one array per role) and takes 25. Every kernel fits now; were one
+past the limit, a cache would take another kernel that reads its layout, or the reference path.
 """
 
 from __future__ import annotations

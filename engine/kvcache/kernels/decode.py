@@ -225,7 +225,7 @@ _CODEC_MACROS = {
   mul = (float){P}1[row_]; }}
 """,
     # PolarQuant: level-1 angle codes (BITS), norms, the higher levels' angle codes (BITS2; levels 2..L in turn, then
-    # one padding code), and one centroid table per level 1..L. Its text depends on L (`_polar_macro`).
+    # one padding code), and the centroid tables of levels 1..L in one array. Its text depends on L (`_polar_macro`).
     "polar": "",
 }
 _CODEC_SLOTS = {"affine": 3, "kivi_keys": 3, "codebook": 3, "rvq": 6, "prod": 5, "qjl": 2, "vq": 3}
@@ -1294,7 +1294,7 @@ class Codec:
     @property
     def slots(self) -> int:
         """How many arrays this codec reads (see `_CODEC_MACROS` for their order)."""
-        return 3 + self.levels if self.kind == "polar" else _CODEC_SLOTS[self.kind]
+        return 4 if self.kind == "polar" else _CODEC_SLOTS[self.kind]
 
     def macro(self, role: str) -> str:
         prefix = "k" if role == "KEY" else "v"
@@ -1322,12 +1322,15 @@ def _polar_macro(role: str, prefix: str, first_bits: int, higher_bits: int, leve
     so the angles above it (levels L..4, one per level) give the node's radius, the level-3 angle splits it in two,
     the two level-2 angles in four and the four level-1 angles give the 8 values: x = radius · (cos or sin of each
     angle on the path; cos on the even child). Level l's angles start at code D/2 - D/2^(l-1) of the higher-level
-    codes; level-1 angles lie in [0, 2π), where SINCOS_PI takes ψ - π and both results change sign. Tables: slot
-    3 + (l - 1) for level l. The product with the radius runs from the top level down, as the reference does."""
+    codes; level-1 angles lie in [0, 2π), where SINCOS_PI takes ψ - π and both results change sign. Tables: one
+    array in slot 3, every level's centroids one after another (level 1's 2^first_bits, then 2^higher_bits a level:
+    one input rather than L, as Metal binds at most 31 buffers a kernel). The product with the radius runs from the
+    top level down, as the reference does."""
     p, d = prefix, 1 << levels
 
     def angle(level: int, index: str) -> str:
-        return f"{p}{3 + level - 1}[code_at(a_, {d // 2 - d // (1 << (level - 1))} + ({index}), {higher_bits})]"
+        offset = (1 << first_bits) + (level - 2) * (1 << higher_bits)  # level >= 2
+        return f"{p}3[{offset} + code_at(a_, {d // 2 - d // (1 << (level - 1))} + ({index}), {higher_bits})]"
 
     lines = [
         f"#define LOAD_{role}(c, out, mul) {{ \\",

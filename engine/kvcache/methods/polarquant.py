@@ -90,6 +90,31 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
                 codebooks[f"{role}{level}"] = (mx.array(centroids), mx.array(boundaries))
         return codebooks
 
+    @classmethod
+    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
+        # the codebooks, and each role's centroids again as the decode kernel reads them (`_kernel_tables`)
+        codebooks = cls._build_codebooks(config, head_dim)
+        return super().constant_bytes(config, head_dim) + sum(centroids.nbytes for centroids, _ in codebooks.values())
+
+    def _reset_storage(self) -> None:
+        super()._reset_storage()
+        self._kernel_tables: dict[str, mx.array] = {}
+
+    def _setup(
+        self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
+    ) -> None:
+        super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)  # also builds the codebooks
+        # Each role's centroids of levels 1..L in one array: the decode kernel takes one input for them (Metal binds
+        # at most 31 buffers a kernel; one per level took the pass to 37). Held and counted, a few hundred bytes.
+        levels = polar_levels(k_head_dim)
+        self._kernel_tables = {
+            role: mx.concatenate([self._codebooks[f"{role}{level}"][0] for level in range(1, levels + 1)])
+            for role in ("key", "value")
+        }
+
+    def _constant_arrays(self) -> list[mx.array]:
+        return super()._constant_arrays() + list(self._kernel_tables.values())
+
     def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
         angles, _ = polar_angles(unit)
@@ -136,7 +161,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         codecs: list = []
         for role in ("key", "value"):
             first_bits, higher_bits = self.stage_bits(self._role_bits(role))
-            tables = [self._kernel_table(f"{role}{level}") for level in range(1, levels + 1)]
             codecs += [Codec("polar", first_bits, higher_bits, levels=levels),
-                       [store[f"{role}_codes"], store[f"{role}_norms"], store[f"{role}_angle_codes"], *tables]]
+                       [store[f"{role}_codes"], store[f"{role}_norms"], store[f"{role}_angle_codes"],
+                        self._kernel_tables[role]]]
         return codecs[0], codecs[1], codecs[2], codecs[3]
