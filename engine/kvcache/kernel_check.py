@@ -68,7 +68,8 @@ def verify_kernels(config: KVCacheConfig, shape: Any, dtype: mx.Dtype = mx.bfloa
     for done, (key, index) in enumerate(pending.items()):
         layer = key[0]
         if progress is not None:
-            progress(f"first run of the GPU kernels ({done + 1} of {len(pending)} layer layouts)", done / len(pending))
+            # short: the app shows it after "Calibrating for this model: " on the title's status line
+            progress(f"GPU kernels ({done + 1} of {len(pending)})", done / len(pending))
         failure = _first_run(cache_class, config, index, shape, dtype)
         if failure is not None:
             reason = f"the {backend} kernels of {layer} failed their first run on this GPU: {failure}"
