@@ -1020,7 +1020,7 @@ def test_long_caches_take_the_backends_long_tile(bits: int, options: str, monkey
     (":s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1", (48, 48, 16, 16)),
     (":w9:s4", (32, 64, 32, 0)),
     (":key_block=128:key_outliers=1", (16, 104, 0, 8)),
-    # a layer whose channels all kept the key bits: only class 1, class 0's arrays placeholders
+    # a layer whose channels all kept the key bits: only class 1, class 0's codes a placeholder
     (":s4:key_block=128:key_outliers=1", (0, 128, 0, 0)),
     # keys before RoPE: each channel of a pair read at its own row and width (outliers turned with their pair)
     (":s4:key_block=128:key_outliers=1:symmetric_values=true:" + ROPE_SPEC.format("false"), (48, 48, 16, 16)),
