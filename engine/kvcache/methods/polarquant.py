@@ -107,10 +107,14 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         # Each role's centroids of levels 1..L in one array: the decode kernel takes one input for them (Metal binds
         # at most 31 buffers a kernel; one per level took the pass to 37). Held and counted, a few hundred bytes.
         levels = polar_levels(k_head_dim)
-        self._kernel_tables = {
-            role: mx.concatenate([self._codebooks[f"{role}{level}"][0] for level in range(1, levels + 1)])
-            for role in ("key", "value")
-        }
+        self._kernel_tables = {}
+        for role in ("key", "value"):
+            tables = [self._codebooks[f"{role}{level}"][0] for level in range(1, levels + 1)]
+            # the kernel reads level l at offset 2^first_bits + (l - 2)·2^higher_bits (kernels/decode.py, _polar_macro)
+            first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+            if [t.size for t in tables] != [1 << first_bits] + [1 << higher_bits] * (levels - 1):
+                raise ValueError(f"PolarQuant's {role} tables hold {[t.size for t in tables]} centroids, not 2^bits a level.")
+            self._kernel_tables[role] = mx.concatenate(tables)
 
     def _constant_arrays(self) -> list[mx.array]:
         return super()._constant_arrays() + list(self._kernel_tables.values())
