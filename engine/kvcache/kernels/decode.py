@@ -1840,8 +1840,8 @@ def plan_decode(
         grids = (_no_grids() if not (key_codec.grid or value_codec.grid) else
                  mx.concatenate([key_arrays[3] if key_codec.grid else _no_grid(),
                                  value_arrays[3] if value_codec.grid else _no_grid()]))
-        arrays = (*head, *value_arrays[:3], grids, _no_grid() if rope is None else rope[0],
-                  *outliers, *widths[:2], *widths[3:])
+        arrays = (*head, *value_arrays[:3], grids, _no_grid() if rope is None else rope[0], *outliers,
+                  *(a for name, a in zip(WIDTH_INPUTS, widths, strict=True) if name in TILED_WIDTH_INPUTS))
     else:
         template = (("D", head_dim), ("R", rows), ("NT", threads), ("G", group_size),
                     ("GK", key_block or group_size), ("CT", tile), ("U", UNROLL))
