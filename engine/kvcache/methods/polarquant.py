@@ -90,22 +90,19 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
                 codebooks[f"{role}{level}"] = (mx.array(centroids), mx.array(boundaries))
         return codebooks
 
-    @classmethod
-    def constant_bytes(cls, config: KVCacheConfig, head_dim: int) -> int:
-        # the codebooks, and each role's centroids again as the decode kernel reads them (`_kernel_tables`)
-        codebooks = cls._build_codebooks(config, head_dim)
-        return super().constant_bytes(config, head_dim) + sum(centroids.nbytes for centroids, _ in codebooks.values())
-
     def _reset_storage(self) -> None:
         super()._reset_storage()
         self._kernel_tables: dict[str, mx.array] = {}
+        self._level_boundaries: dict[str, mx.array] = {}
 
     def _setup(
         self, batch: int, n_kv_heads: int, k_head_dim: int, v_head_dim: int, input_dtype: mx.Dtype
     ) -> None:
         super()._setup(batch, n_kv_heads, k_head_dim, v_head_dim, input_dtype)  # also builds the codebooks
-        # Each role's centroids of levels 1..L in one array: the decode kernel takes one input for them (Metal binds
-        # at most 31 buffers a kernel; one per level took the pass to 37). Held and counted, a few hundred bytes.
+        # Each role's centroids of levels 1..L are held once, in one array: the decode kernel takes one input for
+        # them (Metal binds at most 31 buffers a kernel; one per level took the pass to 37), and the reference
+        # path reads a level's slice of it (`_level_centroids`). The levels' boundaries move to `_level_boundaries`
+        # and `_codebooks` is emptied, so each centroid is held once, as `constant_bytes` counts it.
         levels = polar_levels(k_head_dim)
         self._kernel_tables = {}
         for role in ("key", "value"):
@@ -115,9 +112,19 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
             if [t.size for t in tables] != [1 << first_bits] + [1 << higher_bits] * (levels - 1):
                 raise ValueError(f"PolarQuant's {role} tables hold {[t.size for t in tables]} centroids, not 2^bits a level.")
             self._kernel_tables[role] = mx.concatenate(tables)
+        self._level_boundaries = {name: boundaries for name, (_, boundaries) in self._codebooks.items()}
+        self._codebooks = {}
 
     def _constant_arrays(self) -> list[mx.array]:
-        return super()._constant_arrays() + list(self._kernel_tables.values())
+        # The rotation's arrays (the codebook base's own list is empty: `_codebooks` was emptied in `_setup`), then
+        # the packed centroids and the boundaries.
+        return super()._constant_arrays() + list(self._kernel_tables.values()) + list(self._level_boundaries.values())
+
+    def _level_centroids(self, role: str, level: int) -> mx.array:
+        """Level `level`'s centroids of `role`: a slice of the role's one table, at the kernel's offsets."""
+        first_bits, higher_bits = self.stage_bits(self._role_bits(role))
+        start = 0 if level == 1 else (1 << first_bits) + (level - 2) * (1 << higher_bits)
+        return self._kernel_tables[role][start : start + (1 << (first_bits if level == 1 else higher_bits))]
 
     def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
@@ -125,7 +132,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         cells = 1 << first_bits
         first = mx.minimum(mx.floor(angles[0] * (cells / (2 * math.pi))), cells - 1).astype(mx.uint8)
         higher = [
-            encode_scalar(angle, self._codebooks[f"{role}{level}"][1])
+            encode_scalar(angle, self._level_boundaries[f"{role}{level}"])
             for level, angle in enumerate(angles[1:], start=2)
         ]
         padding = mx.zeros((*unit.shape[:-1], 1), dtype=mx.uint8)
@@ -141,18 +148,18 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
             return self._encode_role(vectors, role)
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
         levels = polar_levels(self._k_head_dim)
-        boundaries = mx.stack([self._codebooks[f"{role}{level}"][1] for level in range(2, levels + 1)])
+        boundaries = mx.stack([self._level_boundaries[f"{role}{level}"] for level in range(2, levels + 1)])
         parts = polar_encode(vectors, first_bits, higher_bits, boundaries, self._dense_dtype, backend)
         return dict(zip((f"{role}_norms", f"{role}_codes", f"{role}_angle_codes"), parts, strict=True))
 
     def _decode_unit(self, store: dict[str, mx.array], role: str) -> mx.array:
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
         half = self._k_head_dim // 2
-        angles = [centroid_lookup(unpack_bits(store[f"{role}_codes"], first_bits, half), self._codebooks[f"{role}1"][0])]
+        angles = [centroid_lookup(unpack_bits(store[f"{role}_codes"], first_bits, half), self._level_centroids(role, 1))]
         higher = unpack_bits(store[f"{role}_angle_codes"], higher_bits, half)
         start, size = 0, half // 2
         for level in range(2, polar_levels(self._k_head_dim) + 1):
-            angles.append(centroid_lookup(higher[..., start : start + size], self._codebooks[f"{role}{level}"][0]))
+            angles.append(centroid_lookup(higher[..., start : start + size], self._level_centroids(role, level)))
             start, size = start + size, size // 2
         ones = mx.ones((*higher.shape[:-1], 1), dtype=mx.float32)
         return polar_vector(angles, ones)
