@@ -14,7 +14,10 @@ Per spec and mode (`step`, `loop`), per step: `wall_ms` (host time), `busy_ms` (
 the GPU at work), `idle_ms` (wall less busy: the GPU waiting for the host to record, encode and launch), `kernels`
 (launches), and `by_kernel`: calls and ms by kernel (MLX's names shortened to the function, Velox's kernels as
 `velox_*`); over the whole record, `gaps` (the longest stretches with the GPU idle, with the kernels either side)
-and `longest` (the longest single launches). `--loop-steps 300` records a loop long enough to cross key-block
+and `longest` (the longest single launches). `weights_busy_ms` is the union of the model's weight matmuls' intervals
+(MLX's quantized matrix-vector kernels, `WEIGHT_KERNELS`): GPU time every cache's token pays whatever the cache, so
+for the 16-bit row `ratio_ceiling` = wall / weights_busy is the most any cache could reach against it in that mode
+(a cache whose attention and updates took no time at all, with the host keeping up). `--loop-steps 300` records a loop long enough to cross key-block
 encodes and a growth of the buffers (`loop_from`: the cache's length when it starts). A GPU tool that needs torch with CUDA beside MLX's CUDA build (the lent machine has both); on a CPU it
 says so and stops. The aggregation (`summarize`) is plain Python and tested on its own.
 """
@@ -37,6 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 Event = tuple[str, float, float]
 
 _VELOX = re.compile(r"(velox_[a-z0-9_]*?)(?:_[0-9]|_t_|_f_|_bfloat|_float|_half|_uint|_int|$)")
+
+
+# The weights' kernels: MLX's quantized matrix-vector products (qmv; the 4-bit weights at one token) and, should a
+# step take that path, its matrix-matrix and gather forms.
+WEIGHT_KERNELS = re.compile(r"^(qmv|qmm|qvm|gather_qmv|gather_qmm)")
 
 
 def short_name(name: str) -> str:
@@ -109,8 +117,11 @@ def summarize(events: list[Event], steps: int, wall_s: float) -> dict[str, Any]:
         entry[0] += 1
         entry[1] += finish - begin
     ranked = sorted(by_kernel.items(), key=lambda item: -item[1][1])
+    weights_busy_ms = busy_time(e for e in events if WEIGHT_KERNELS.match(short_name(e[0]))) / 1000 / steps
     return {
         "wall_ms": wall_ms, "busy_ms": busy_ms, "idle_ms": max(wall_ms - busy_ms, 0.0),
+        "weights_busy_ms": weights_busy_ms,
+        "ratio_ceiling": wall_ms / weights_busy_ms if weights_busy_ms else None,
         "kernels": len(events) / steps,
         "by_kernel": {name: {"calls": calls / steps, "ms": us / 1000 / steps} for name, (calls, us) in ranked},
         "gaps": idle_gaps(events), "longest": longest_kernels(events),
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("step", "loop"):
             figures = row[mode]
             print(f"{spec} @ {args.context} {mode}: wall {figures['wall_ms']:.2f} ms, GPU busy {figures['busy_ms']:.2f}, "
-                  f"idle {figures['idle_ms']:.2f}, {figures['kernels']:.0f} kernels", flush=True)
+                  f"idle {figures['idle_ms']:.2f}, {figures['kernels']:.0f} kernels; weights {figures['weights_busy_ms']:.2f} ms "
+                  f"(wall / weights {figures['ratio_ceiling'] or float('nan'):.2f})", flush=True)
             for name, entry in list(figures["by_kernel"].items())[: args.top]:
                 print(f"    {entry['ms']:7.3f} ms  {entry['calls']:5.0f}x  {name}")
             for gap in figures["gaps"][:3]:

@@ -77,6 +77,18 @@ def test_a_timeline_summary_is_per_step_and_ranks_kernels_by_time() -> None:
     assert summary["by_kernel"]["rms_norm"] == {"calls": 1.0, "ms": 1.5}
     assert summary["gaps"] == [{"ms": 8.5, "at_ms": 1.5, "after": "velox_decode_merge", "before": "rms_norm"}]
     assert summary["longest"][0] == {"name": "rms_norm", "ms": 2.0, "at_ms": 10.0}
+    assert summary["weights_busy_ms"] == 0.0 and summary["ratio_ceiling"] is None
+
+
+def test_the_weights_busy_time_is_the_union_of_the_weight_matmuls_only() -> None:
+    """Two weight matmuls overlapping each other count once, the attention kernel not at all: 3 ms of weights a
+    step against 8 ms of wall time puts the ceiling at 8 / 3."""
+    events = [("void mlx::core::cu::qmv_kernel<__nv_bfloat16, 4, 64>(const float*)", 0.0, 2000.0),
+              ("void mlx::core::cu::qmv_kernel<__nv_bfloat16, 4, 64>(const float*)", 1000.0, 3000.0),
+              ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop", 3000.0, 7000.0)]
+    summary = summarize(events, steps=1, wall_s=0.008)
+    assert summary["weights_busy_ms"] == 3.0 and summary["busy_ms"] == 7.0
+    assert summary["ratio_ceiling"] == 8.0 / 3.0
 
 
 def test_idle_gaps_are_measured_from_the_latest_end_so_far() -> None:
