@@ -41,8 +41,8 @@ PROBE_CHUNK = 16  # a prefill chunk over the compressed history
 ATTENTION_TOLERANCE = 0.02
 ENCODE_TOLERANCE = 0.25
 
-# Where the reference caches run (the encode kernels' store is held to the closer): the default device (None), whose
-# `mx.quantize` a cache whose layout the encode kernels decline runs, and the CPU. The KIVI encode kernel follows MLX's
+# Where the reference caches run, the encode kernels' store being held to the closer: the default device (None; a
+# layout the encode kernels decline quantizes there, by MLX's GPU rule) and the CPU. The KIVI encode kernel follows MLX's
 # CPU rule for an affine group (its true max, ties to even); MLX's GPU `mx.quantize` starts a group's max at 0 and
 # rounds half away from zero (BENCHMARKS.md, round 19), so at 2 bits about a tenth of bfloat16 groups of random
 # values get another scale there, up to 2.4 apart in decoded value (benchmarks/quantize_rule.py's emulation of
