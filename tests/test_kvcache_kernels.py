@@ -392,6 +392,16 @@ needs_gpu = pytest.mark.skipif(available_backend() is None,
                                reason="needs MLX's CUDA or Metal build on a GPU default device (kernel backend)")
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on_for_each_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build whose first run of the kernels fails under "auto" turns them off for the process
+    (kernel_check.py): each test starts with them on, so one failure stays that test's own instead of turning every
+    later test of its process onto the reference path (on the H200 the GPU parity tests share 12 processes)."""
+    from engine.kvcache.kernels import backend as kernel_backend
+
+    monkeypatch.setattr(kernel_backend, "_DISABLED", [])
+
+
 def _reference_of(cache):
     """The same cache contents (shared arrays) with kernels off: the pure-MLX reference path."""
     reference = copy.copy(cache)
