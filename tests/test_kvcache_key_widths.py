@@ -340,7 +340,10 @@ def test_the_bundled_widths_of_the_default_model_are_what_it_measures(smollm, la
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The 4-, 3- and 2-bit layouts' key widths on the default model ship with Velox (keys as given and before RoPE), so
     their first use measures nothing and every device uses the widths the CPU figures were measured with; measured
-    again here (bundle and data folder set aside), the calibration writes the same key and the same widths."""
+    again here (bundle and data folder set aside), the calibration writes the same key and, but for near ties, the same
+    widths. The widths rank channels by measured sensitivity, and a CPU whose BLAS kernels round otherwise (an AMD EPYC
+    with AVX2 against the machines the bundle was measured on) swaps a few channels of nearly equal rank: at most
+    1 % of the channels may differ, each by one bit, with every layer's and head's mean width (its bytes) the same."""
     model, tokenizer, _ = smollm
     monkeypatch.setattr(calibration, "BUNDLED_DIR", tmp_path / "no-bundle")
     monkeypatch.setattr(calibration, "_TABLES", {})
@@ -348,5 +351,9 @@ def test_the_bundled_widths_of_the_default_model_are_what_it_measures(smollm, la
     spec = layout + ":key_widths=calibrated" + rope
     digest = KVCacheBuilder(KVCacheConfig.parse(spec)).for_model(model, tokenizer=tokenizer).config.options["key_widths"]
     measured = json.loads((calibration_dir() / f"key_widths-{digest}.json").read_text())
-    bundled = json.loads((Path(calibration.__file__).with_name("calibrations") / f"key_widths-{digest}.json").read_text())
-    assert bundled["key"] == measured["key"] and bundled["widths"] == measured["widths"]
+    bundled_files = Path(calibration.__file__).with_name("calibrations").glob("key_widths-*.json")
+    (bundled,) = [b for b in (json.loads(f.read_text()) for f in bundled_files) if b["key"] == measured["key"]]
+    got, want = np.array(measured["widths"]), np.array(bundled["widths"])
+    assert got.shape == want.shape
+    assert int(np.abs(got - want).max()) <= 1 and float(np.mean(got != want)) <= 0.01, float(np.mean(got != want))
+    assert np.array_equal(got.sum(axis=-1), want.sum(axis=-1))

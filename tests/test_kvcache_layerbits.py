@@ -283,7 +283,10 @@ def test_smollm2_calibrated_layers_at_the_4_bit_level(smollm, tmp_path: Path, mo
     (measured,) = (tmp_path / "calibration").glob("layer_sensitivity-*.json")
     bundled = json.loads((Path(sensitivity.__file__).with_name("calibrations") / measured.name).read_text())
     assert bundled["key"] == json.loads(measured.read_text())["key"]
-    assert bundled["kl"] == pytest.approx(json.loads(measured.read_text())["kl"], rel=1e-3, abs=1e-6)
+    # Within 3 %: on a CPU whose BLAS kernels round otherwise (an AMD EPYC with AVX2 against the machines the bundle
+    # was measured on) a few quantization codes fall the other way, and the layers' KLs moved by up to 1.2 %; a stale
+    # file (another model, layout or probe) is off by far more, and the layers chosen, asserted above, are the same.
+    assert bundled["kl"] == pytest.approx(json.loads(measured.read_text())["kl"], rel=3e-2, abs=1e-6)
 
 
 @pytest.mark.parametrize("gpu", [False, True])
