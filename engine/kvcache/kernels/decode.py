@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kvcache.kernels.backend import RULER, KernelSource, kernel, over_buffer_limit
+from engine.kvcache.quant.polar import level_table_offset
 
 # Threads per threadgroup of the attention pass (head_dim if larger: the merge gives each of the first
 # head_dim threads one output channel); a multiple of the subgroup width D/8.
@@ -1329,7 +1330,7 @@ def _polar_macro(role: str, prefix: str, first_bits: int, higher_bits: int, leve
     p, d = prefix, 1 << levels
 
     def angle(level: int, index: str) -> str:
-        offset = (1 << first_bits) + (level - 2) * (1 << higher_bits)  # level >= 2
+        offset = level_table_offset(level, first_bits, higher_bits)
         return f"{p}3[{offset} + code_at(a_, {d // 2 - d // (1 << (level - 1))} + ({index}), {higher_bits})]"
 
     lines = [

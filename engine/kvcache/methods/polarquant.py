@@ -32,6 +32,7 @@ from engine.kvcache.quant.bitpack import pack_bits, unpack_bits
 from engine.kvcache.quant.codebooks import encode_scalar
 from engine.kvcache.quant.polar import (
     angle_codebook,
+    level_table_offset,
     polar_angles,
     polar_levels,
     polar_vector,
@@ -107,7 +108,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
         self._kernel_tables = {}
         for role in ("key", "value"):
             tables = [self._codebooks[f"{role}{level}"][0] for level in range(1, levels + 1)]
-            # the kernel reads level l at offset 2^first_bits + (l - 2)·2^higher_bits (kernels/decode.py, _polar_macro)
+            # the kernel and `_level_centroids` read level l at `level_table_offset`
             first_bits, higher_bits = self.stage_bits(self._role_bits(role))
             if [t.size for t in tables] != [1 << first_bits] + [1 << higher_bits] * (levels - 1):
                 raise ValueError(f"PolarQuant's {role} tables hold {[t.size for t in tables]} centroids, not 2^bits a level.")
@@ -123,7 +124,7 @@ class VeloxPolarQuantKVCache(RotatedCodebookKVCache):
     def _level_centroids(self, role: str, level: int) -> mx.array:
         """Level `level`'s centroids of `role`: a slice of the role's one table, at the kernel's offsets."""
         first_bits, higher_bits = self.stage_bits(self._role_bits(role))
-        start = 0 if level == 1 else (1 << first_bits) + (level - 2) * (1 << higher_bits)
+        start = level_table_offset(level, first_bits, higher_bits)
         return self._kernel_tables[role][start : start + (1 << (first_bits if level == 1 else higher_bits))]
 
     def _encode_unit(self, unit: mx.array, role: str) -> dict[str, mx.array]:

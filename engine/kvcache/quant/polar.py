@@ -32,6 +32,12 @@ def polar_levels(d: int) -> int:
     return levels
 
 
+def level_table_offset(level: int, first_bits: int, higher_bits: int) -> int:
+    """Where level `level`'s centroids start in one array holding the tables of levels 1..L one after another (level
+    1's 2^first_bits, then 2^higher_bits a level): the layout PolarQuant holds and its decode kernel reads."""
+    return 0 if level == 1 else (1 << first_bits) + (level - 2) * (1 << higher_bits)
+
+
 def polar_angles(x: mx.array) -> tuple[list[mx.array], mx.array]:
     """Angles of every level (level l: [..., d / 2^l], float32) and the final radius [..., 1]."""
     radii = x.astype(mx.float32)
