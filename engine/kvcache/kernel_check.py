@@ -111,7 +111,8 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
     scale = d**-0.5
     try:
         cache = cache_class(on, layer_index=index)
-        independents = [cache_class(off, layer_index=index) for _ in REFERENCE_DEVICES]
+        independents = [(cache_class(off, layer_index=index), device or mx.default_device())
+                        for device in REFERENCE_DEVICES]
     except (ConfigError, ValueError) as error:  # a configuration that needs its model: not the kernels' doing
         log.info("Kernel check skipped for %s: %s", config.for_layer(index), error)
         return None
@@ -121,8 +122,8 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
     try:
         found: list[tuple[str, bool, mx.array, mx.array, list[mx.array]]] = []
         cache.update_and_fetch(keys, values)
-        for independent, device in zip(independents, REFERENCE_DEVICES, strict=True):
-            with mx.stream(device or mx.default_device()):
+        for independent, device in independents:
+            with mx.stream(device):
                 independent.update_and_fetch(keys, values)
         for name, (new_keys, new_values, queries) in zip(("a decode step", "a chunk over the history"), steps,
                                                          strict=True):
@@ -135,8 +136,8 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
             outputs = [c.attention(q, None, None, scale=scale, mask=mask).astype(mx.float32)
                        for c, q in ((cache, queries), (same_arrays, queries.astype(mx.float32)))]
             references = []
-            for independent, device in zip(independents, REFERENCE_DEVICES, strict=True):
-                with mx.stream(device or mx.default_device()):
+            for independent, device in independents:
+                with mx.stream(device):
                     independent.update_and_fetch(new_keys, new_values)
                     references.append(independent.attention(queries.astype(mx.float32), None, None, scale=scale,
                                                             mask=mask).astype(mx.float32))
