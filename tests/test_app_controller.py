@@ -179,9 +179,12 @@ def test_settings_are_remembered_and_applied_after_a_restart(make_controller, qt
     assert saved.last_model.endswith("SmolLM2-135M-Instruct")
 
     restarted = make_controller()
-    qtbot.waitUntil(lambda: restarted.level_key == "8" and not restarted.busy, timeout=WAIT_MS)
+    # the worker applies the saved compression after it loads the model: the level shows "8" before that
+    qtbot.waitUntil(lambda: restarted.level_key == "8" and not restarted.busy
+                    and restarted.engine.worker.session is not None
+                    and restarted.engine.worker.session.compression is not None, timeout=WAIT_MS)
     session = restarted.engine.worker.session
-    assert session.compression is not None and session.compression.key_bits == 8
+    assert session.compression.key_bits == 8
     assert session.settings.max_tokens == 12
     assert restarted.compression_label() == f"8-bit ({level_by_key('8').config.method})"
 
