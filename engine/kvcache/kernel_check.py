@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -41,13 +40,17 @@ PROBE_CHUNK = 16  # a prefill chunk over the compressed history
 ATTENTION_TOLERANCE = 0.02
 ENCODE_TOLERANCE = 0.25
 
-# Where the reference caches run, the encode kernels' store being held to the closer: the default device (None; a
-# layout the encode kernels decline quantizes there, by MLX's GPU rule) and the CPU. The KIVI encode kernel follows MLX's
-# CPU rule for an affine group (its true max, ties to even); MLX's GPU `mx.quantize` starts a group's max at 0 and
-# rounds half away from zero (BENCHMARKS.md, round 19), so at 2 bits about a tenth of bfloat16 groups of random
-# values get another scale there, up to 2.4 apart in decoded value (benchmarks/quantize_rule.py's emulation of
-# both): held to the GPU's rule alone, the kernel failed its first run on an H200 by 0.145 with outputs up to 0.46.
-REFERENCE_DEVICES: tuple[Any, ...] = (None, mx.cpu)
+# Where the reference caches run, in order, the encode kernels' store being held to the first that it is close to: the
+# CPU, then the default device (None; the next is filled only where the store is not close to the ones before). The KIVI
+# encode kernel follows MLX's CPU rule for an affine group (its true max, ties to even); MLX's GPU `mx.quantize` starts
+# a group's max at 0 and rounds half away from zero (BENCHMARKS.md, round 19), so at 2 bits about a tenth of bfloat16
+# groups of random values get another scale there, up to 2.4 apart in decoded value (benchmarks/quantize_rule.py's
+# emulation of both): held to the GPU's rule alone, the kernel failed its first run on an H200 by 0.145 with outputs up
+# to 0.46. A layout the encode kernels decline quantizes on the GPU by the GPU's rule, hence the default device after.
+# The CPU goes first because what runs there compiles nothing for the GPU: on an H100 a check with every reference on
+# the default device took 39.5 s of a fresh machine's compiles, 31.3 s with them on the CPU (first_run_cost.py;
+# BENCHMARKS.md, round 32), MLX's CUDA build compiling the references' float32 operations for it.
+REFERENCE_DEVICES: tuple[Any, ...] = (mx.cpu, None)
 
 # The GPU backends whose kernels are tried (the emulator's tests check their own kernels; theirs add it here).
 CHECKED_BACKENDS: tuple[str, ...] = ("cuda", "metal")
@@ -111,48 +114,68 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
     scale = d**-0.5
     try:
         cache = cache_class(on, layer_index=index)
-        independents = [(cache_class(off, layer_index=index), device or mx.default_device())
-                        for device in REFERENCE_DEVICES]
     except (ConfigError, ValueError) as error:  # a configuration that needs its model: not the kernels' doing
         log.info("Kernel check skipped for %s: %s", config.for_layer(index), error)
         return None
     # The kernels' cache against the reference path reading the same arrays (a shallow copy with kernels off): the
-    # attention kernels, to their parity; and against caches filled through the reference path: the encode kernels,
+    # attention kernels, to their parity; then against caches filled through the reference path: the encode kernels,
     # to what quantization leaves (their rounding may differ from MLX's by a step on ties).
+    outputs: list[tuple[str, bool, mx.array, mx.array]] = []  # (step, a kernel ran, kernels' output, same arrays')
     try:
-        found: list[tuple[str, bool, mx.array, mx.array, list[mx.array]]] = []
         cache.update_and_fetch(keys, values)
-        for independent, device in independents:
-            with mx.stream(device):
-                independent.update_and_fetch(keys, values)
-        for name, (new_keys, new_values, queries) in zip(("a decode step", "a chunk over the history"), steps,
-                                                         strict=True):
+        for name, (new_keys, new_values, queries) in zip(STEP_NAMES, steps, strict=True):
             cache.update_and_fetch(new_keys, new_values)
             mask = "causal" if queries.shape[2] > 1 else None
             same_arrays = copy.copy(cache)
             same_arrays.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
-            # the reference path in float32 (in 16 bits its own rounding is ~3 % of the outputs; the kernels
-            # compute in float32 and round only their output)
-            outputs = [c.attention(q, None, None, scale=scale, mask=mask).astype(mx.float32)
-                       for c, q in ((cache, queries), (same_arrays, queries.astype(mx.float32)))]
-            references = []
-            for independent, device in independents:
-                with mx.stream(device):
-                    independent.update_and_fetch(new_keys, new_values)
-                    references.append(independent.attention(queries.astype(mx.float32), None, None, scale=scale,
-                                                            mask=mask).astype(mx.float32))
-            mx.eval(outputs, references)
-            found.append((name, _took_a_kernel(cache, queries), *outputs, references))
+            got = cache.attention(queries, None, None, scale=scale, mask=mask).astype(mx.float32)
+            # the reference path in float32 (in 16 bits its own rounding is ~3 % of the outputs; the kernels compute
+            # in float32 and round only their output), on the CPU for the reason REFERENCE_DEVICES gives
+            with mx.stream(mx.cpu):
+                same = same_arrays.attention(queries.astype(mx.float32), None, None, scale=scale,
+                                             mask=mask).astype(mx.float32)
+            mx.eval(got, same)
+            outputs.append((name, _took_a_kernel(cache, queries), got, same))
     except Exception as error:  # noqa: BLE001 - a GPU compiler's refusal or a launch error: whatever it raises
         return f"{type(error).__name__}: {error}"
-    for name, kernel_ran, got, same, references in found:
+    for name, kernel_ran, got, same in outputs:
         size = max(float(mx.max(mx.abs(same))), 1e-3)
         error = float(mx.max(mx.abs(got - same)))
         if kernel_ran and not error <= ATTENTION_TOLERANCE * size:  # also NaN
             return f"{name} differs from the reference path by {error:.3g} (outputs up to {size:.3g})"
-        # the closer of the references (a NaN counts as infinitely far: `min` would keep it or not by its place)
-        error = min(math.inf if math.isnan(e) else e for e in (float(mx.max(mx.abs(same - r))) for r in references))
-        if not error <= ENCODE_TOLERANCE * size:
+    failure = None
+    for device in REFERENCE_DEVICES:
+        failure = _encode_failure(outputs, cache_class(off, layer_index=index), device or mx.default_device(),
+                                  (keys, values), steps, scale)
+        if failure is None:
+            return None
+    return failure
+
+
+STEP_NAMES = ("a decode step", "a chunk over the history")
+
+
+def _encode_failure(outputs: list[tuple[str, bool, mx.array, mx.array]], reference: Any, device: Any,
+                    first: tuple[mx.array, mx.array], steps: list[tuple[mx.array, mx.array, mx.array]],
+                    scale: float) -> str | None:
+    """Why the kernels' store is not close to that of `reference` (a cache with kernels off) fed the same tokens on
+    `device`: each step's same-array output in `outputs` against the reference's attention to the same queries."""
+    try:
+        with mx.stream(device):
+            reference.update_and_fetch(*first)
+            found = []
+            for new_keys, new_values, queries in steps:
+                reference.update_and_fetch(new_keys, new_values)
+                mask = "causal" if queries.shape[2] > 1 else None
+                found.append(reference.attention(queries.astype(mx.float32), None, None, scale=scale,
+                                                 mask=mask).astype(mx.float32))
+            mx.eval(found)
+    except Exception as error:  # noqa: BLE001 - as the kernels' run: a launch error on this device is a failure
+        return f"{type(error).__name__}: {error}"
+    for (name, _, _, same), expected in zip(outputs, found, strict=True):
+        size = max(float(mx.max(mx.abs(same))), 1e-3)
+        error = float(mx.max(mx.abs(same - expected)))
+        if not error <= ENCODE_TOLERANCE * size:  # also NaN
             return (f"{name} over the kernels' encode differs from one over the reference's by {error:.3g} (outputs up "
                     f"to {size:.3g})")
     return None
