@@ -8,7 +8,11 @@ This script says which functions the build spends it in: for each cache spec (de
 `#NAME=VALUE` included) the 8B-shaped model's caches are filled to `--context` tokens, then `--steps` steps are
 built under cProfile (each evaluated outside it) and the functions with the most own time are recorded, with the
 build's median wall time without the profiler. On a CPU (`--shape tiny`) it runs, but the kernel path (a GPU's)
-is not taken there.
+is not taken there, unless `--stub-kernels` stands in for the GPU: the caches then take the CUDA kernel path and each
+kernel object is a stand-in whose launch only records zeros of its outputs' shapes, so the host's own (Python) time
+of that path is measured on a CPU, without MLX's CUDA front end (which formats each launch's source in C++ on a GPU
+machine). `--shape 8b-attention` keeps the 8B shape's attention (32 layers, 32 query / 8 kv heads, head_dim 128) with
+a narrow MLP, hidden size and vocabulary, so a CPU evaluates its steps in milliseconds.
 """
 
 from __future__ import annotations
@@ -59,6 +63,30 @@ def profile_builds(model: Any, spec: str, context: int, steps: int, shape: dict[
             "profiled_ms": sum(e["own_ms_per_step"] for e in entries), "top": entries[:top]}
 
 
+# The 8B shape's attention and layer count with small matrices elsewhere (see the module doc).
+ATTENTION_SHAPE = {**bench.SHAPES["8b"], "hidden": 512, "mlp": 512, "vocab": 512}
+
+
+def stub_kernels() -> None:
+    """Make the caches take the CUDA kernel path on this machine with stand-in kernel objects (see the module doc);
+    the first-run check, which would compare their zeros with the reference path, is skipped."""
+    import mlx.core as mx
+
+    from engine.kvcache import kernel_check
+    from engine.kvcache.kernels import backend
+
+    def stand_in(source: Any, backend_name: str) -> Any:
+        def launch(*, output_shapes: list[Any], output_dtypes: list[Any], **_: Any) -> list[Any]:
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+
+        return launch
+
+    kernel_check.CHECKED_BACKENDS = ()
+    backend.device_backend = lambda: "cuda"
+    backend.build = stand_in
+    backend._BUILT.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -66,18 +94,23 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8193)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--top", type=int, default=40)
-    parser.add_argument("--shape", choices=tuple(bench.SHAPES), default="8b")
+    parser.add_argument("--shape", choices=(*bench.SHAPES, "8b-attention"), default="8b")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="on a CPU, take the GPU kernel path with stand-in kernels (see the module doc)")
     args = parser.parse_args()
     from engine.runtime import prepare_runtime
 
     prepare_runtime()
     import mlx.core as mx
 
-    shape = bench.SHAPES[args.shape]
+    if args.stub_kernels:
+        stub_kernels()
+    shape = ATTENTION_SHAPE if args.shape == "8b-attention" else bench.SHAPES[args.shape]
     model = bench.build_model(shape)
     bench._CALIBRATION_MODEL[:] = [model]
     record: dict[str, Any] = {"schema": "velox-bench/1", "kind": "host-profile", "device": str(mx.default_device()),
-                              "mlx": mx.__version__, "shape": shape, "steps": args.steps, "rows": []}
+                              "mlx": mx.__version__, "shape": shape, "steps": args.steps,
+                              "stub_kernels": args.stub_kernels, "rows": []}
     for spec in args.specs.split(","):
         row = profile_builds(model, spec, args.context, args.steps, shape, args.top)
         record["rows"].append(row)

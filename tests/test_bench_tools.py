@@ -1,13 +1,14 @@
 """The GPU profiling scripts' own logic, on the CPU: benchmarks/launch_count.py counts a recorded step's operations
 by primitive from MLX's DOT export, benchmarks/update_profile.py splits a one-token update into its parts, and
-benchmarks/gpu_timeline.py sums the GPU's kernel record per step."""
+benchmarks/gpu_timeline.py sums the GPU's kernel record per step, benchmarks/host_profile.py's stand-in kernels take the
+GPU's kernel path on a CPU."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from benchmarks import decode
+from benchmarks import decode, host_profile
 from benchmarks.gpu_timeline import busy_time, idle_gaps, longest_kernels, short_name, summarize
 from benchmarks.launch_count import count_operations, step_operations
 from benchmarks.update_profile import profile
@@ -130,3 +131,24 @@ def test_token_latency_counts_the_stalls_a_mean_hides() -> None:
     # each token's peak memory rise (time_generate's): the median token's and the stall's, in MB
     peaked = token_latency(seconds, list(range(1000, 1128)), [2_000_000] * 127 + [300_000_000])
     assert peaked["gen_token_peak_mb_median"] == 2.0 and peaked["gen_stall_peak_mb"] == [300.0]
+
+
+def test_stand_in_kernels_take_the_gpu_kernel_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """host_profile.py --stub-kernels: a KIVI cache on the CPU plans the CUDA decode kernels, and its attention is the
+    stand-in merge's zeros (the reference path's output would not be); the module's switches are restored after."""
+    from engine.kvcache import KVCacheBuilder, KVCacheConfig, ModelShape, kernel_check
+    from engine.kvcache.kernels import backend
+
+    for module, name in ((backend, "device_backend"), (backend, "build"), (kernel_check, "CHECKED_BACKENDS")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(backend, "_BUILT", {})
+    host_profile.stub_kernels()
+    shape = ModelShape(n_layers=1, n_heads=8, n_kv_heads=2, head_dim=64)
+    (cache,) = KVCacheBuilder(KVCacheConfig.parse("kivi:k4v4:g64:s4:key_block=128")).for_shape(shape).build()
+    keys = mx.random.normal((1, 2, 300, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(keys, keys)
+    cache.update_and_fetch(keys[..., :1, :], keys[..., :1, :])
+    queries = mx.random.normal((1, 8, 1, 64)).astype(mx.bfloat16)
+    assert cache._decode_plan(4) is not None
+    output = cache.attention(queries, None, None, scale=0.125, mask=None)
+    assert output.shape == queries.shape and not mx.any(output).item()
