@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 300  # past a 128-token key block and a 256-token group, with a window left over
 PROBE_CHUNK = 16  # a prefill chunk over the compressed history
+STEP_NAMES = ("a decode step", "a chunk over the history")  # the two probes after the first chunk, as reported
 # Relative to the outputs' size: the attention kernels against the reference path on the same arrays (their GPU parity
 # tests hold 2e-3 in bfloat16 on outputs of about this size); the encode kernels' store against the reference's, which
 # may differ by a code step where the two round a tie differently. A broken kernel is off by the outputs' own size.
@@ -125,15 +126,11 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
         cache.update_and_fetch(keys, values)
         for name, (new_keys, new_values, queries) in zip(STEP_NAMES, steps, strict=True):
             cache.update_and_fetch(new_keys, new_values)
-            mask = "causal" if queries.shape[2] > 1 else None
             same_arrays = copy.copy(cache)
             same_arrays.config = replace(cache.config, options={**cache.config.options, "kernels": "off"})
-            got = cache.attention(queries, None, None, scale=scale, mask=mask).astype(mx.float32)
-            # the reference path in float32 (in 16 bits its own rounding is ~3 % of the outputs; the kernels compute
-            # in float32 and round only their output), on the CPU for the reason REFERENCE_DEVICES gives
-            with mx.stream(mx.cpu):
-                same = same_arrays.attention(queries.astype(mx.float32), None, None, scale=scale,
-                                             mask=mask).astype(mx.float32)
+            got = _attention(cache, queries, scale)
+            with mx.stream(mx.cpu):  # for the reason REFERENCE_DEVICES gives
+                same = _attention(same_arrays, queries.astype(mx.float32), scale)
             mx.eval(got, same)
             outputs.append((name, _took_a_kernel(cache, queries), got, same))
     except Exception as error:  # noqa: BLE001 - a GPU compiler's refusal or a launch error: whatever it raises
@@ -152,7 +149,12 @@ def _first_run(cache_class: Any, config: KVCacheConfig, index: int, shape: Any, 
     return failure
 
 
-STEP_NAMES = ("a decode step", "a chunk over the history")
+def _attention(cache: Any, queries: mx.array, scale: float) -> mx.array:
+    """`cache`'s attention to `queries` (causal for a chunk), as float32. The references get float32 queries, so the
+    reference path computes in float32 (in 16 bits its own rounding is ~3 % of the outputs; the kernels compute in
+    float32 and round only their output)."""
+    mask = "causal" if queries.shape[2] > 1 else None
+    return cache.attention(queries, None, None, scale=scale, mask=mask).astype(mx.float32)
 
 
 def _encode_failure(outputs: list[tuple[str, bool, mx.array, mx.array]], reference: Any, device: Any,
@@ -166,9 +168,7 @@ def _encode_failure(outputs: list[tuple[str, bool, mx.array, mx.array]], referen
             found = []
             for new_keys, new_values, queries in steps:
                 reference.update_and_fetch(new_keys, new_values)
-                mask = "causal" if queries.shape[2] > 1 else None
-                found.append(reference.attention(queries.astype(mx.float32), None, None, scale=scale,
-                                                 mask=mask).astype(mx.float32))
+                found.append(_attention(reference, queries.astype(mx.float32), scale))
             mx.eval(found)
     except Exception as error:  # noqa: BLE001 - as the kernels' run: a launch error on this device is a failure
         return f"{type(error).__name__}: {error}"
