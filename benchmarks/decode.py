@@ -27,6 +27,8 @@ every byte once at that bandwidth would reach. With --prefill N, a chunked prefi
 current one runs, as the app does: `pipelined_prefill_tok_s`) is timed for a few caches too.
 
 Spec strings: `fp16` (Velox's 16-bit cache, the reference row of the ratios), `mlx-kv` (mlx-lm's KVCache),
+`no-history` (no cache at all: each step attends to its own token alone, so its speed is the model's without reading
+any history, the most any cache can reach in that run; its `vs_fp16` is the ceiling of every cache's ratio there),
 `mlx-q:BITS[:GROUP]` (mlx-lm's QuantizedKVCache), `METHOD[:BITS[:GROUP]][+wN][+sN]` (a Velox method, e.g.
 kivi:4:64, turboquant:3, affine:4:64+w128+s4), or one in the project's spec syntax (`velox methods`; e.g.
 kivi:k4v4:g64:s4:key_block=128), and `...@off` for a Velox method with kernels off; `...#NAME=VALUE` (repeatable)
@@ -243,12 +245,41 @@ def _with_codebooks(config: Any, shape: dict[str, Any]) -> Any:
     return replace(config, options={**config.options, "codebooks": _CODEBOOKS[key]})
 
 
+# The spec of the ceiling row (see the module doc): not a cache a user can pick, so not in the harness's syntax.
+NO_HISTORY = "no-history"
+
+
+@functools.cache
+def _no_history_cache() -> type:
+    """mlx-lm's KVCache that keeps nothing: `update_and_fetch` hands back the tokens it is given, so the model's
+    attention reads only the step's own keys and values, and the offset still moves on (RoPE positions as a
+    decoding cache's). A class made on first use: this module imports no MLX until `run`."""
+    from mlx_lm.models.cache import KVCache
+
+    class NoHistoryCache(KVCache):
+        def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+            self.offset += keys.shape[2]
+            return keys, values
+
+        @property
+        def state(self) -> list[Any]:
+            return []
+
+        @property
+        def nbytes(self) -> int:
+            return 0
+
+    return NoHistoryCache
+
+
 def make_caches(spec: str, n_layers: int, shape: dict[str, Any] = SHAPE) -> list[Any]:
     """Per-layer caches for a spec string (see the module doc)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     if spec == "mlx-kv":
         return [KVCache() for _ in range(n_layers)]
+    if spec == NO_HISTORY:
+        return [_no_history_cache()() for _ in range(n_layers)]
     if spec.startswith("mlx-q:"):
         parts = spec[len("mlx-q:"):].split(":")
         bits, group = int(parts[0]), int(parts[1]) if len(parts) > 1 else 64

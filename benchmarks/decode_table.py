@@ -37,6 +37,8 @@ def cache_label(spec: str) -> str:
     """A row's first cell: the spec (its model RoPE left out) in backticks, named where it is a peer or an app level."""
     shown = ":".join(part for part in spec.split(":") if not part.startswith(_ROPE_FIELDS))
     label = f"`{shown}`"
+    if spec == "no-history":  # decode.py's ceiling row
+        return f"{label} (no cache: the most any cache reaches)"
     family = spec.split(":")[0]
     if family in _PEERS:
         return f"{label} ({_PEERS[family]})"

@@ -12,7 +12,8 @@
 #           pytest-xdist's wheels are in .devwhl/c (`pip download --no-deps --only-binary=:all: --python-version 3.12
 #           --implementation cp -d .devwhl/c pytest-xdist execnet`); each failure is written to $OUT/fail.txt as it
 #           happens, so a call cut short by its time limit still names them.
-# levels:   decode.py's whole-model table of the app's three levels beside fp16 and mlx-lm's KVCache at CONTEXTS
+# levels:   decode.py's whole-model table of the app's three levels beside fp16, mlx-lm's KVCache and the ceiling row
+#           (no-history: the model without reading any history) at CONTEXTS
 #           (2 interleaved rounds of 128 steps: a key block's cycle, so the loop's mean holds one block's encode);
 #           extra arguments go to decode.py (--prefill 32768 adds the 32k prefill of the same caches).
 # methods:  the same for every other method of the canonical table (BENCHMARKS.md, whole-model decode), beside fp16.
@@ -32,7 +33,7 @@ mkdir -p "$OUT"
 L4='kivi:k4v4:g64:s4:key_block=128:rotate_values=true:wide=0.1:wide_layers=L1.10.18:key_widths=calibrated'
 L3='kivi:k3v3:g64:s4:key_block=128:rotate_values=true:symmetric_values=true:key_outliers=1:wide=0.1:wide_layers=L1.10.18:key_widths=calibrated:rope=pre'
 L2='kivi:k2v2:g64:s4:clip_search=true:key_block=128:rotate_values=true:wide=0.1:wide_layers=L1.10.18:key_widths=calibrated:rope=pre'
-LEVELS="fp16,mlx-kv,$L4,$L3,$L2"
+LEVELS="fp16,no-history,mlx-kv,$L4,$L3,$L2"
 METHODS='fp16,mlx-q:4:64,affine:k4v4:g64,rotated:k4v4:g64,kivi:k4v4:g64,kivi:k8v8:g64,turboquant:k4v4:g64,turboquant:k3v3:g64,rvq:k4v4:g64,rvq:k3v3:g64'
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

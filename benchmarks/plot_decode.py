@@ -41,6 +41,7 @@ OTHER_SHADES = ["#17becf", "#bcbd22", "#e377c2", "#8c564b", "#9467bd", "#ff7f0e"
 LABELS = {
     "fp16": "fp16 (Velox 16-bit cache, reference)",
     "mlx-kv": "mlx-kv (mlx-lm KVCache)",
+    "no-history": "no-history (no cache: the ceiling)",
 }
 
 LEGEND_CHARS = 40  # a legend line's length before it wraps (the legend column is ~270 px of 12 px text)

@@ -236,6 +236,7 @@ def test_every_committed_result_spec_reads_and_round_trips() -> None:
     texts: set[str] = set()
     for path in (ROOT / "benchmarks" / "results").rglob("*.json"):
         texts |= spec_texts(json.loads(path.read_text()))
+    texts.discard("no-history")  # decode.py's ceiling row: no cache at all (benchmarks/decode.py, NO_HISTORY)
     assert len(texts) > 40 and "kivi:4:64" in texts and "mlx-q:4" in texts
     for text in texts:
         spec = read_result_spec(text)
@@ -1324,6 +1325,31 @@ def test_velox_bench_decode_merges_runs_of_one_context_each(tmp_path: Path) -> N
         decode.merge_records([runs[0], {**runs[1], "steps": 3}])
     # a run its time limit cut short says so in its part
     assert decode.merge_records([runs[0], {**runs[1], "partial": True}])["parts"][1]["partial"] is True
+
+def test_decode_no_history_row_reads_only_each_steps_own_token() -> None:
+    """`no-history`, the ceiling row of decode.py: its caches hold nothing (no arrays, no bytes) and hand back each
+    step's own keys and values while the offset moves on as a decoding cache's, so a step's logits do not depend on
+    what was fed before it, where a real cache's do."""
+    from benchmarks import decode
+
+    shape = decode.SHAPES["tiny"]
+    model = decode.build_model(shape)
+    logits = {}
+    for seed in (0, 1):  # two different histories of 70 tokens
+        for spec in (decode.NO_HISTORY, "fp16"):
+            mx.random.seed(seed)
+            caches = decode.make_caches(spec, shape["layers"], shape)
+            decode.fill(caches, 70, shape)
+            logits[spec, seed] = model(mx.array([[5]]), cache=caches)
+            assert all(cache.offset == 71 for cache in caches)
+            if spec == decode.NO_HISTORY:
+                assert decode.cache_bytes(caches) == 0 and caches[0].state == []
+                keys, values = random_kv(1, shape["kv_heads"], 3, shape["head_dim"])
+                fetched_keys, fetched_values = caches[0].update_and_fetch(keys, values)
+                assert fetched_keys is keys and fetched_values is values and caches[0].offset == 74
+    assert mx.array_equal(logits[decode.NO_HISTORY, 0], logits[decode.NO_HISTORY, 1])
+    assert not mx.allclose(logits["fp16", 0], logits["fp16", 1])
+
 
 def test_decode_calibrates_vq_codebooks_on_its_own_model() -> None:
     """A `vq` spec without codebooks gets codebooks calibrated on the benchmark's model (once per bit width), so
