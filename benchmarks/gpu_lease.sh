@@ -6,6 +6,7 @@
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh parity [PYTEST -k EXPRESSION]
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh levels 8193,32769 [--prefill 32768]
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh methods 131073
+#   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh ceiling [8193,32769,131073]
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh timeline 131073
 #
 # parity:   the GPU parity tests of tests/test_kvcache_kernels.py (default: every one), 12 processes where
@@ -17,6 +18,8 @@
 #           (2 interleaved rounds of 128 steps: a key block's cycle, so the loop's mean holds one block's encode);
 #           extra arguments go to decode.py (--prefill 32768 adds the 32k prefill of the same caches).
 # methods:  the same for every other method of the canonical table (BENCHMARKS.md, whole-model decode), beside fp16.
+# ceiling:  issue 11's ratio targets against what any cache can reach: fp16, the no-history row (no cache: the model
+#           without reading any history) and the 4- and 2-bit levels, at CONTEXTS (default 8k, 32k and 131k), as levels.
 # timeline: the GPU's own record of fp16's and the 4-bit level's step and loop (gpu_timeline.py: weights_busy_ms,
 #           ratio_ceiling) at one context.
 # Everything is written under $OUT; MLX's PTX cache is kept at /tmp/mlx for the calls of one warm machine. A fresh
@@ -63,12 +66,15 @@ EOF
     echo "parity rc=$?" | tee -a "$OUT/parity.log"
     tail -8 "$OUT/parity.log"
     ;;
-  levels|methods)
+  levels|methods|ceiling)
     kind=$1
     specs=$LEVELS
     [ "$kind" = methods ] && specs=$METHODS
-    contexts=${2:?contexts}
-    shift 2
+    [ "$kind" = ceiling ] && specs="fp16,no-history,$L4,$L2"
+    contexts=${2:-}
+    [ "$kind" = ceiling ] && contexts=${contexts:-8193,32769,131073}
+    [ -n "$contexts" ] || { echo "contexts?" >&2; exit 2; }
+    shift $(( $# < 2 ? $# : 2 ))
     name="decode-$kind-${contexts//,/-}"
     timeout "${DECODE_SECONDS:-560}" python3 benchmarks/decode.py --out "$OUT/$name.json" --contexts "$contexts" \
       --specs "$specs" --rounds 2 --steps 128 "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^ " | tail -30
