@@ -483,6 +483,11 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
         else:
             print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)
         out.append(row)
+    ceiling = rows.get(NO_HISTORY)
+    if ceiling is not None and "vs_fp16" in ceiling:
+        loop = f", of its mlx-lm loop x{ceiling['gen_vs_fp16']:.2f}" if "gen_vs_fp16" in ceiling else ""
+        print(f"ceiling at {context}: no cache passes x{ceiling['vs_fp16']:.2f} of fp16's step{loop} in this run",
+              flush=True)
     del filled
     gc.collect()
     mx.clear_cache()

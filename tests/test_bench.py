@@ -1275,14 +1275,18 @@ def test_velox_bench_decode_times_a_chunked_prefill(tmp_path: Path) -> None:
 
 def test_velox_bench_decode_rounds_time_every_cache_in_turn(tmp_path: Path) -> None:
     """--rounds N: each cache's step is timed once per round (fp16 and the cache minutes apart, not a whole run),
-    and its ratio to fp16 is the median of the per-round ratios, with their range."""
+    and its ratio to fp16 is the median of the per-round ratios, with their range; the no-history row's ratio is
+    printed as the run's ceiling."""
     out = tmp_path / "decode.json"
     done = _velox("bench", "decode", "--shape", "tiny", "--out", str(out), "--contexts", "129",
-                  "--specs", "fp16,kivi:k4v4:g64", "--steps", "2", "--warmup", "1", "--rounds", "3", "--no-generate")
+                  "--specs", "fp16,kivi:k4v4:g64,no-history", "--steps", "2", "--warmup", "1", "--rounds", "3",
+                  "--no-generate")
     assert done.returncode == 0, done.stderr
     record = json.loads(out.read_text())
     assert record["rounds"] == 3
-    fp16, kivi = record["rows"]
+    fp16, kivi, ceiling = record["rows"]
+    assert ceiling["spec"] == "no-history" and ceiling["held_bytes"] == 0 and len(ceiling["rounds_ms"]) == 3
+    assert f"ceiling at 129: no cache passes x{ceiling['vs_fp16']:.2f} of fp16's step in this run" in done.stdout
     assert [fp16["spec"], kivi["spec"]] == ["fp16", "kivi:k4v4:g64"]
     for row in (fp16, kivi):
         assert len(row["rounds_ms"]) == 3 and "gen_tok_s" not in row
