@@ -7,6 +7,7 @@
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh levels 8193,32769 [--prefill 32768]
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh methods 131073
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh ceiling [8193,32769,131073]
+#   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh buffers [32769]
 #   bash .devwhl/b/install.sh && bash benchmarks/gpu_lease.sh timeline 131073
 #
 # parity:   the GPU parity tests of tests/test_kvcache_kernels.py (default: every one), 12 processes where
@@ -20,6 +21,10 @@
 # methods:  the same for every other method of the canonical table (BENCHMARKS.md, whole-model decode), beside fp16.
 # ceiling:  issue 11's ratio targets against what any cache can reach: fp16, the no-history row (no cache: the model
 #           without reading any history) and the 4- and 2-bit levels, at CONTEXTS (default 8k, 32k and 131k), as levels.
+# buffers:  how often MLX's CUDA backend hands the GPU a graph of the recorded kernels (a commit every 100 operations
+#           or 1,000 MB of arrays touched on an H100/H200: MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER, read once per
+#           process) against fp16's, the 4-bit level's and the no-history row's step and loop at CONTEXT: the default,
+#           fewer and larger graphs (1,000 ops / 8,000 MB) and smaller ones (25 ops), one process each.
 # timeline: the GPU's own record of fp16's and the 4-bit level's step and loop (gpu_timeline.py: weights_busy_ms,
 #           ratio_ceiling) at one context.
 # Everything is written under $OUT; MLX's PTX cache is kept at /tmp/mlx for the calls of one warm machine. A fresh
@@ -78,6 +83,18 @@ EOF
     name="decode-$kind-${contexts//,/-}"
     timeout "${DECODE_SECONDS:-560}" python3 benchmarks/decode.py --out "$OUT/$name.json" --contexts "$contexts" \
       --specs "$specs" --rounds 2 --steps 128 "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^ " | tail -30
+    ;;
+  buffers)
+    context=${2:-32769}
+    for limits in default 1000:8000 25:1000; do
+      name="decode-buffers-${limits/:/-}-$context"
+      ops=${limits%%:*} mb=${limits##*:}
+      # shellcheck disable=SC2046  # the default run sets neither variable
+      env $([ "$limits" = default ] || echo "MLX_MAX_OPS_PER_BUFFER=$ops MLX_MAX_MB_PER_BUFFER=$mb") \
+        timeout "${BUFFERS_SECONDS:-180}" python3 benchmarks/decode.py --out "$OUT/$name.json" --contexts "$context" \
+        --specs "fp16,no-history,$L4" --rounds 2 --steps 128 > "$OUT/$name.log" 2>&1
+      echo "$limits rc=$?"; grep -v "^ " "$OUT/$name.log" | grep -E "tok/s|ceiling" | tail -4
+    done
     ;;
   timeline)
     context=${2:?context}
