@@ -1597,6 +1597,7 @@ def test_decode_table_shows_the_loop_failures_and_the_levels(tmp_path: Path) -> 
         {"spec": "mlx-q:4:64", "context": 8193,
          "error": "RuntimeError: [quantized_matmul] No implementation for problem shape: 4x8193x128x8"},
         {"spec": "fp16", "context": 131073, "tok_s": 70.0, "vs_fp16": 1.0, "gen_tok_s": 90.0, "gen_vs_fp16": 1.0},
+        {"spec": "no-history", "context": 8193, "tok_s": 150.0, "vs_fp16": 1.5, "gen_tok_s": 168.0, "gen_vs_fp16": 1.2},
     ]
     lines = decode_table.table_lines({"rows": rows})
     assert lines[0] == "| cache | 8,193: step | loop | 131,073: step | loop |"
@@ -1605,6 +1606,7 @@ def test_decode_table_shows_the_loop_failures_and_the_levels(tmp_path: Path) -> 
                         "| 126.0 (0.90) |  |  |")
     assert lines[4] == ("| `mlx-q:4:64` (mlx-lm QuantizedKVCache) "
                         "| fails (`[quantized_matmul] No implementation for problem shape`) |  |  |  |")
+    assert lines[5] == "| `no-history` (no cache: the most any cache reaches) | 150.0 (1.50) | 168.0 (1.20) |  |  |"
     unmarked = tmp_path / "notes.md"
     unmarked.write_text("# Notes\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no decode table markers"):
@@ -1622,6 +1624,7 @@ def test_decode_figure_legend_wraps_long_specs_and_leaves_out_the_models_rope() 
     assert len(lines) > 1 and all(len(line) <= plot_decode.LEGEND_CHARS for line in lines)
     assert plot_decode.legend_lines("affine:k4v4:g64") == ["affine:k4v4:g64"]
     assert plot_decode.legend_lines("mlx-q:4:64") == ["mlx-q:4:64 (mlx-lm QuantizedKVCache)"]
+    assert plot_decode.legend_lines("no-history") == ["no-history (no cache: the ceiling)"]
 
 
 def test_committed_decode_figure_is_what_plot_decode_draws() -> None:
