@@ -21,10 +21,10 @@
 # methods:  the same for every other method of the canonical table (BENCHMARKS.md, whole-model decode), beside fp16.
 # ceiling:  issue 11's ratio targets against what any cache can reach: fp16, the no-history row (no cache: the model
 #           without reading any history) and the 4- and 2-bit levels, at CONTEXTS (default 8k, 32k and 131k), as levels.
-# buffers:  how often MLX's CUDA backend hands the GPU a graph of the recorded kernels (a commit every 100 operations
-#           or 1,000 MB of arrays touched on an H100/H200: MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER, read once per
+# buffers:  how often MLX's CUDA backend hands the GPU a graph of the recorded kernels (a launch every 100 operations
+#           or ~1,000 M elements of inputs on an H100/H200: MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER, read once per
 #           process) against fp16's, the 4-bit level's and the no-history row's step and loop at CONTEXT: the default,
-#           fewer and larger graphs (1,000 ops / 8,000 MB) and smaller ones (25 ops), one process each.
+#           fewer and larger graphs (1,000 ops / 8,000) and smaller ones (25 ops), one process each.
 # timeline: the GPU's own record of fp16's and the 4-bit level's step and loop (gpu_timeline.py: weights_busy_ms,
 #           ratio_ceiling) at one context.
 # Everything is written under $OUT; MLX's PTX cache is kept at /tmp/mlx for the calls of one warm machine. A fresh
