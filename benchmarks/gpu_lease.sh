@@ -73,11 +73,11 @@ EOF
     ;;
   levels|methods|ceiling)
     kind=$1
-    specs=$LEVELS
-    [ "$kind" = methods ] && specs=$METHODS
-    [ "$kind" = ceiling ] && specs="fp16,no-history,$L4,$L2"
-    contexts=${2:-}
-    [ "$kind" = ceiling ] && contexts=${contexts:-8193,32769,131073}
+    specs=$LEVELS contexts=${2:-}
+    case $kind in
+      methods) specs=$METHODS ;;
+      ceiling) specs="fp16,no-history,$L4,$L2" contexts=${contexts:-8193,32769,131073} ;;
+    esac
     [ -n "$contexts" ] || { echo "contexts?" >&2; exit 2; }
     shift $(( $# < 2 ? $# : 2 ))
     name="decode-$kind-${contexts//,/-}"
