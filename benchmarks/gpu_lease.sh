@@ -24,7 +24,8 @@
 # buffers:  how often MLX's CUDA backend hands the GPU a graph of the recorded kernels (a launch every 100 operations
 #           or ~1,000 M elements of inputs on an H100/H200: MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER, read once per
 #           process) against fp16's, the 4-bit level's and the no-history row's step and loop at CONTEXT: the default,
-#           fewer and larger graphs (1,000 ops / 8,000) and smaller ones (25 ops), one process each.
+#           fewer and larger graphs (1,000 ops / 8,000), smaller ones (25 ops) and none (MLX_USE_CUDA_GRAPHS=0: each
+#           kernel launched as it is evaluated), one process each (BUFFERS_LIMITS picks some, e.g. "default no-graphs").
 # timeline: the GPU's own record of fp16's and the 4-bit level's step and loop (gpu_timeline.py: weights_busy_ms,
 #           ratio_ceiling) at one context.
 # Everything is written under $OUT; MLX's PTX cache is kept at /tmp/mlx for the calls of one warm machine. A fresh
@@ -86,12 +87,16 @@ EOF
     ;;
   buffers)
     context=${2:-32769}
-    for limits in default 1000:8000 25:1000; do
+    for limits in ${BUFFERS_LIMITS:-default 1000:8000 25:1000 no-graphs}; do
       name="decode-buffers-${limits/:/-}-$context"
       ops=${limits%%:*} mb=${limits##*:}
-      # shellcheck disable=SC2046  # the default run sets neither variable
-      env $([ "$limits" = default ] || echo "MLX_MAX_OPS_PER_BUFFER=$ops MLX_MAX_MB_PER_BUFFER=$mb") \
-        timeout "${BUFFERS_SECONDS:-180}" python3 benchmarks/decode.py --out "$OUT/$name.json" --contexts "$context" \
+      case $limits in
+        default) settings=() ;;
+        no-graphs) settings=(MLX_USE_CUDA_GRAPHS=0) ;;  # each kernel launched on the stream as it is evaluated
+        *) settings=("MLX_MAX_OPS_PER_BUFFER=$ops" "MLX_MAX_MB_PER_BUFFER=$mb") ;;
+      esac
+      env "${settings[@]}" \
+        timeout "${BUFFERS_SECONDS:-140}" python3 benchmarks/decode.py --out "$OUT/$name.json" --contexts "$context" \
         --specs "fp16,no-history,$L4" --rounds 2 --steps 128 > "$OUT/$name.log" 2>&1
       echo "$limits rc=$?"; grep -v "^ " "$OUT/$name.log" | grep -E "tok/s|ceiling" | tail -4
     done
