@@ -890,6 +890,30 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
     assert close(room[20], grown_at(room[21])[level4, False]["gen_vs_fp16"])
     checked.append(room[0])
 
+    ceiling = re.search((r"On an H100 \(the H200 not lent\), at ([\d,]+) tokens that model's synchronous step took "
+                         r"(\d+\.\d\d) ms against the 16-bit cache's (\d+\.\d\d) ms: (\d\.\d\d)× \(the median of (\d) "
+                         r"rounds' ratios, (\d\.\d\d)× in the last; `benchmarks/results/decode-ceiling-131k-h100.json`; "
+                         r"BENCHMARKS.md, \*round 34\*\)\. For a step, issue 11's (\d\.\d)× at 131k is past what any "
+                         r"cache reaches there\. In mlx-lm's loop that ceiling is (\d\.\d\d)×, and the 4- and 2-bit "
+                         r"levels ran at (\d\.\d\d)× and (\d\.\d\d)×\.").replace(" ", r"\s+"), section)
+    assert ceiling, "README no longer quotes the measured ceiling of a cache's ratio"
+    run = json.loads((COMMITTED / "decode-ceiling-131k-h100.json").read_text())
+    assert "H100" in run["gpu"] and not run["kernel_constants"] and run["rounds"] == int(ceiling[5])
+    by_spec = {row["spec"]: row for row in run["rows"]}
+    no_history, fp16 = by_spec["no-history"], by_spec["fp16"]
+    assert {row["context"] for row in run["rows"]} == {int(ceiling[1].replace(",", ""))}
+    assert close(ceiling[2], no_history["ms"]) and close(ceiling[3], fp16["ms"])
+    assert close(ceiling[4], no_history["vs_fp16"])
+    assert close(ceiling[6], fp16["rounds_ms"][-1] / no_history["rounds_ms"][-1])
+    # the claim itself: the model without any history, in the same run, stays under the issue's ratio
+    assert no_history["vs_fp16"] < float(ceiling[7]) == 2.0
+    assert close(ceiling[8], no_history["gen_vs_fp16"])
+    levels = [row for row in run["rows"] if row["spec"].startswith("kivi:")]
+    for key, text, row in zip(("4", "2"), (ceiling[9], ceiling[10]), levels, strict=True):
+        _assert_gpu_level(row, key)
+        assert close(text, row["gen_vs_fp16"]), key
+    checked.append(ceiling[0])
+
     widths = re.search(r"takes the 4-bit level\s+from ([+\d.]+) % to ([+\d.]+) % perplexity on (\d)k-token windows of held-out "
                        r"prose and the 3-bit level from ([+\d.]+) % to\s+([+\d.]+) % .+? keys as given, their needle recall is "
                        r"([\d.]+) % and\s+([\d.]+) % \(fp16: ([\d.]+) %\),\s+where the levels they replaced had ([\d.]+) % and "
