@@ -1418,6 +1418,28 @@ def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest
     _, kivi = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1)
     assert kivi["ms"] == pytest.approx(15.0) and kivi["tok_s"] == pytest.approx(1000 / 15.0)
     assert kivi["vs_fp16"] == pytest.approx(0.75) and kivi["vs_fp16_range"] == pytest.approx([0.5, 1.0])
+    assert "slow_rounds" not in kivi  # 2x its fastest round: not past the factor
+
+
+def test_velox_bench_decode_names_a_round_far_slower_than_the_spec_s_fastest(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A round whose step took over SLOW_ROUND_FACTOR times the spec's fastest round's is named in the row and the
+    printed line (with two rounds it is half the reported median: an H100's first 16-bit round at 131k, round 34)."""
+    import argparse
+
+    from benchmarks import decode
+
+    step_seconds = {"fp16": iter([0.360, 0.015, 0.015]), "no-history": iter([0.008, 0.008, 0.008])}
+    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
+    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
+    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
+    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    args = argparse.Namespace(rounds=3, steps=1, warmup=0, generate=False)
+    fp16, ceiling = decode.interleaved_rows(None, ["fp16", "no-history"], 131073, args, {"layers": 1}, 1.0, 1)
+    assert fp16["slow_rounds"] == [1] and "slow_rounds" not in ceiling
+    assert ceiling["vs_fp16"] == pytest.approx(0.015 / 0.008)  # the median of three leaves the slow round out
+    printed = capsys.readouterr().out
+    assert "fp16" in printed and "SLOW ROUNDS [1]" in printed and printed.count("SLOW ROUNDS") == 1
 
 
 def test_velox_bench_decode_rounds_hand_over_each_finished_round(monkeypatch: pytest.MonkeyPatch) -> None:
