@@ -480,7 +480,7 @@ def interleaved_rows(model: nn.Module, specs: list[str], context: int, args: arg
                   + (f"; stalls at {row['gen_stall_offsets']}, peaks {_megabytes(row['gen_stall_peak_mb'])} MB "
                      f"(median token {row['gen_token_peak_mb_median']:.0f})" if row.get("gen_stall_offsets") else "")
                   + (f"; SLOW ROUNDS {row['slow_rounds']} (over {SLOW_ROUND_FACTOR:g}x the fastest round's step: "
-                     "the median and ratios hold them)" if row.get("slow_rounds") else ""),
+                     "read the rounds, not the median)" if row.get("slow_rounds") else ""),
                   flush=True)
         else:
             print(f"{spec:16s} {context:7d}: FAILED {row['error']}", flush=True)
