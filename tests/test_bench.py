@@ -818,7 +818,7 @@ def test_readme_quoted_numbers_match_the_committed_json() -> None:
                      r"layers at\s+(\d\d\d),(\d\d\d) tokens against (\d\.\d\d) ms with (\d+)-token tiles "
                      r"\(`benchmarks/results/gpu-timeline-tile128-131k-h200.json`;\s+BENCHMARKS.md, \*round 25\*\), still "
                      r"more than cuDNN's attention over the 16-bit cache \(~(\d\.\d) ms\)\. That kernel is what\s+issue "
-                     r"11's long-context targets now wait on\.", section, re.S)
+                     r"11's long-context targets in mlx-lm's loop now wait on\.", section, re.S)
     assert loop, "README no longer quotes the levels' speed in mlx-lm's decode loop"
     quoted = iter(loop.groups())
     for name, runs in (("decode-long-tile-h200.json", 3), ("decode-long-tile-r2-h200.json", 1)):
