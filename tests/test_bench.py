@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -1402,6 +1403,17 @@ def test_decode_calibrates_vq_codebooks_on_its_own_model() -> None:
         decode._CODEBOOKS.clear()
 
 
+def _time_rounds_as(monkeypatch: pytest.MonkeyPatch, step_seconds: dict[str, Iterator[float]]) -> None:
+    """decode.interleaved_rows without a model: each spec's caches are its name, and each round's step takes the next
+    of `step_seconds[spec]`."""
+    from benchmarks import decode
+
+    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
+    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
+    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
+    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+
+
 def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """With an even number of rounds the median is the mean of the middle two, for the step and for the ratio
     alike (taking the upper middle gave a row the slower step but the higher ratio: two different rounds)."""
@@ -1410,10 +1422,7 @@ def test_velox_bench_decode_even_rounds_take_the_middle_pair(monkeypatch: pytest
     from benchmarks import decode
 
     step_seconds = {"fp16": iter([0.010, 0.010]), "kivi:k4v4:g64": iter([0.020, 0.010])}  # per round
-    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
-    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
-    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
-    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    _time_rounds_as(monkeypatch, step_seconds)
     args = argparse.Namespace(rounds=2, steps=1, warmup=0, generate=False)
     _, kivi = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1)
     assert kivi["ms"] == pytest.approx(15.0) and kivi["tok_s"] == pytest.approx(1000 / 15.0)
@@ -1430,10 +1439,7 @@ def test_velox_bench_decode_names_a_round_far_slower_than_the_spec_s_fastest(
     from benchmarks import decode
 
     step_seconds = {"fp16": iter([0.360, 0.015, 0.015]), "no-history": iter([0.008, 0.008, 0.008])}
-    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
-    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
-    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
-    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    _time_rounds_as(monkeypatch, step_seconds)
     args = argparse.Namespace(rounds=3, steps=1, warmup=0, generate=False)
     fp16, ceiling = decode.interleaved_rows(None, ["fp16", "no-history"], 131073, args, {"layers": 1}, 1.0, 1)
     assert fp16["slow_rounds"] == [1] and "slow_rounds" not in ceiling
@@ -1450,10 +1456,7 @@ def test_velox_bench_decode_rounds_hand_over_each_finished_round(monkeypatch: py
     from benchmarks import decode
 
     step_seconds = {"fp16": iter([0.010, 0.012, 0.011]), "kivi:k4v4:g64": iter([0.020, 0.024, 0.022])}
-    monkeypatch.setattr(decode, "make_caches", lambda spec, n_layers, shape: [spec])
-    monkeypatch.setattr(decode, "fill", lambda caches, context, shape: None)
-    monkeypatch.setattr(decode, "cache_bytes", lambda caches: 1)
-    monkeypatch.setattr(decode, "time_decode", lambda model, caches, steps, warmup: [next(step_seconds[caches[0]])])
+    _time_rounds_as(monkeypatch, step_seconds)
     handed: list[list[dict]] = []
     args = argparse.Namespace(rounds=3, steps=1, warmup=0, generate=False)
     rows = decode.interleaved_rows(None, ["fp16", "kivi:k4v4:g64"], 129, args, {"layers": 1}, 1.0, 1,
