@@ -519,7 +519,8 @@ def _round_row(row: dict[str, Any], steps: dict[str, list[float]], generated: di
         return row
     row |= {"tok_s": 1 / median(steps[spec]), "ms": median(steps[spec]) * 1000,
             "rounds_ms": [t * 1000 for t in steps[spec]]}
-    slow = [i + 1 for i, t in enumerate(steps[spec]) if t > SLOW_ROUND_FACTOR * min(steps[spec])]
+    fastest = min(steps[spec])
+    slow = [i + 1 for i, t in enumerate(steps[spec]) if t > SLOW_ROUND_FACTOR * fastest]
     if slow:
         row["slow_rounds"] = slow
     if generated[spec]:
